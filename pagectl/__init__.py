@@ -1,0 +1,26 @@
+"""pagectl: a paged-KV-cache LLM serving daemon with a live KV-cache operator console."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from pagectl.engine.llm import LLM
+    from pagectl.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # Lazy: importing pagectl (e.g. for the CLI or the console) must not import torch.
+    if name == "LLM":
+        from pagectl.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pagectl.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from pagectl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The daemon: OpenAI-compatible HTTP server, engine-core process, admin channel."""

@@ -1,0 +1,61 @@
+"""The ``pagectl`` command line: ``daemon | top | ctl | generate | bench``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``
+(returning the exit status). Modules are imported only when their command runs, so that
+``pagectl ctl`` does not import torch and ``pagectl daemon`` does not import textual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "daemon": ("pagectl.cli.daemon", "serve a model: OpenAI-compatible HTTP API + admin channel"),
+    "top": ("pagectl.cli.top", "live KV-cache operator console attached to a running daemon"),
+    "ctl": ("pagectl.cli.ctl", "scripted control of a running daemon (status, set, pause, ...)"),
+    "generate": ("pagectl.cli.generate", "generate a continuation offline, without a server"),
+    "bench": ("pagectl.cli.bench", "throughput and serving benchmarks against peers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagectl import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="pagectl",
+        description="A paged-KV-cache LLM serving daemon with a live KV-cache console.",
+    )
+    parser.add_argument("--version", action="version", version=f"pagectl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if "--help" in sys.argv or "-h" in sys.argv or name in sys.argv[1:2]:
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as e:
+                if e.name != module:
+                    raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    saved = sys.argv
+    sys.argv = [saved[0], *argv]
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    finally:
+        sys.argv = saved
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The engine: KV cache, scheduler, model runner. Imports no aiohttp, zmq or textual."""

@@ -1,0 +1,1 @@
+"""Paged KV cache bookkeeping: block pool, chained hashing, cache manager."""

@@ -1,0 +1,603 @@
+"""The scheduler: one token budget per step, no prefill/decode phases.
+
+Each step hands the budget (``max_num_batched_tokens``) to running sequences first, in order,
+then admits waiting ones while the budget, ``max_num_seqs`` and the KV pool allow. A sequence
+asks for ``target_num_tokens - num_computed_tokens`` tokens: a whole (or chunked) prompt, or
+one decode token. When the pool runs dry, the last running sequence (newest under FCFS,
+lowest priority under the priority policy; ``running`` is kept in that order) is preempted by
+recompute: it drops all its blocks and goes back to the front of the waiting queue. Nothing
+is admitted in a step that preempted.
+
+Owned by the engine loop thread; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from pagectl.engine.config import CacheConfig, SchedulerConfig
+from pagectl.engine.kv.manager import KVCacheManager
+from pagectl.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagectl.engine.request import Request, RequestStatus
+from pagectl.engine.telemetry import Counters, Event, StepStat
+
+PREEMPT_KV_BLOCKS = "kv_blocks"
+
+# Live settings: name -> (type, description).
+LIVE_SETTINGS = {
+    "max_num_batched_tokens": (int, "token budget of one step"),
+    "max_num_seqs": (int, "most sequences running at once"),
+    "long_prefill_token_threshold": (int, "most prompt tokens one request prefills per step"),
+    "enable_prefix_caching": (bool, "prefix caching on or off"),
+}
+
+
+class WaitingQueue:
+    """Waiting sequences in service order. Removal is lazy: finished entries are skipped."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[int, float, int], Request]] = []
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, req: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority_key, req))
+        else:
+            self._fifo.append(req)
+        self._live += 1
+
+    def push_front(self, req: Request) -> None:
+        """Put a preempted sequence back where it is served next (priority: its own key)."""
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority_key, req))
+        else:
+            self._fifo.appendleft(req)
+        self._live += 1
+
+    def discard(self, req: Request) -> None:
+        """Forget ``req`` (already marked finished); its entry is skipped later."""
+        self._live -= 1
+
+    def peek(self) -> Request | None:
+        if self.policy == "priority":
+            heap = self._heap
+            while heap and heap[0][1].status.finished:
+                heapq.heappop(heap)
+            return heap[0][1] if heap else None
+        fifo = self._fifo
+        while fifo and fifo[0].status.finished:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def pop(self) -> Request:
+        req = self.peek()
+        assert req is not None
+        if self.policy == "priority":
+            heapq.heappop(self._heap)
+        else:
+            self._fifo.popleft()
+        self._live -= 1
+        return req
+
+    def __iter__(self) -> Iterator[Request]:
+        if self.policy == "priority":
+            items = [r for _, r in sorted(self._heap, key=lambda e: e[0])]
+        else:
+            items = list(self._fifo)
+        return (r for r in items if not r.status.finished)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        step_history: int = 256,
+        event_history: int = 256,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        # Start-up value: the live running cap may not exceed it.
+        self.max_num_seqs_limit = scheduler_config.max_num_seqs
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(
+            cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting = WaitingQueue(scheduler_config.policy)
+        # Running sequences in service order; the last one is the next preemption victim.
+        self.running: list[Request] = []
+        # request_id -> its live sequences (several after a fork).
+        self.groups: dict[str, list[Request]] = {}
+        self.paused = False
+        self.counters = Counters(preemptions_by_reason={}, finished_by_reason={})
+        self.step_stats: deque[StepStat] = deque(maxlen=step_history)
+        self.events: deque[Event] = deque(maxlen=event_history)
+        self._event_ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        # Outputs produced outside a step (aborts, refusals), flushed with the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        # Sequences that left since the last schedule() (for the runner to drop state).
+        self._finished_seq_ids: list[str] = []
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending_outputs)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.groups:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.groups[req.request_id] = [req]
+        self.waiting.push(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish every sequence of ``request_id`` with "abort", freeing its blocks."""
+        seqs = self.groups.get(request_id)
+        if not seqs:
+            return False
+        for req in list(seqs):
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def _finish(self, req: Request, status: RequestStatus, *, emit: bool = True) -> None:
+        """Take ``req`` out of the engine. Outputs for it are queued unless ``emit`` is False."""
+        prev = req.status
+        req.status = status
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.discard(req)
+        self.kv.free(req)
+        self._release(req)
+        if emit:
+            self._pending_outputs.append(self._output(req, []))
+
+    def _release(self, req: Request) -> None:
+        """Bookkeeping shared by every way a sequence leaves."""
+        seqs = self.groups.get(req.request_id)
+        if seqs is not None:
+            seqs.remove(req)
+            if not seqs:
+                del self.groups[req.request_id]
+        reason = req.finish_reason or "abort"
+        fbr = self.counters.finished_by_reason
+        fbr[reason] = fbr.get(reason, 0) + 1
+        self._finished_seq_ids.append(req.seq_id)
+
+    def _output(self, req: Request, new_token_ids: list[int], **kw) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req.request_id,
+            req.index,
+            new_token_ids,
+            req.finish_reason,
+            req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=req.error,
+            **kw,
+        )
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        seqs: list[Request] = []
+        counts: list[int] = []
+        samples: list[bool] = []
+        preempted: list[Request] = []
+        running = self.running
+
+        # 1. Running sequences first, in order; preempt from the back when blocks run out.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = req.target_num_tokens - req.num_computed_tokens
+            if num_new <= 0:
+                i += 1
+                continue
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            scheduled = True
+            while not kv.allocate_slots(req, num_new):
+                if len(running) == 1:
+                    # Alone and still short of blocks: the pool can never hold it.
+                    self._finish_unfittable(req)
+                    scheduled = False
+                    break
+                victim = running[-1]
+                self._preempt(victim, PREEMPT_KV_BLOCKS)
+                preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                continue  # running shrank; ``i`` now points past the end or at the next one
+            seqs.append(req)
+            counts.append(num_new)
+            samples.append(req.num_computed_tokens + num_new == len(req.all_token_ids))
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting sequences, unless this step preempted or admission is paused.
+        if not preempted and not self.paused:
+            self._admit(budget, seqs, counts, samples)
+
+        return SchedulerOutput(
+            step_id=next(self._step_ids),
+            seqs=seqs,
+            num_scheduled_tokens=counts,
+            sample=samples,
+            total_num_scheduled_tokens=sum(counts),
+            block_copies=kv.drain_copies(),
+            finished_seq_ids=self._drain_finished_ids(),
+            preempted_seq_ids=[r.seq_id for r in preempted],
+        )
+
+    def _admit(
+        self, budget: int, seqs: list[Request], counts: list[int], samples: list[bool]
+    ) -> None:
+        cfg = self.config
+        kv = self.kv
+        bs = self.block_size
+        threshold = cfg.long_prefill_token_threshold
+        running = self.running
+        while budget > 0 and len(running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            if req is None:
+                break
+            if req.pending_forks > 1 and running and len(running) + req.pending_forks > cfg.max_num_seqs:
+                break
+            if kv.blocks_needed(max(req.target_num_tokens, 1)) > kv.num_blocks:
+                self._finish_unfittable(req)  # can never fit, however empty the pool
+                continue
+            hits = kv.find_cached_prefix(req)
+            num_hit = len(hits) * bs
+            num_new = req.target_num_tokens - num_hit
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if not kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.pop()
+            first_admission = req.num_cached_tokens < 0
+            if first_admission:
+                req.num_cached_tokens = num_hit
+                self.counters.prefix_queries += req.num_prompt_tokens if kv.enable_prefix_caching else 0
+                self.counters.prefix_hits += num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if self.config.policy == "priority":
+                bisect.insort(running, req, key=lambda r: r.priority_key)
+            else:
+                running.append(req)
+            if num_new > 0:
+                seqs.append(req)
+                counts.append(num_new)
+                samples.append(num_hit + num_new == len(req.all_token_ids))
+                budget -= num_new
+            elif req.pending_forks > 1:
+                self._fork(req)
+
+    def _preempt(self, req: Request, reason: str) -> None:
+        lost = req.num_computed_tokens
+        if self.running[-1] is req:
+            self.running.pop()
+        else:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.push_front(req)
+        c = self.counters
+        c.preemptions += 1
+        c.preemptions_by_reason[reason] = c.preemptions_by_reason.get(reason, 0) + 1
+        self.add_event(
+            "preemption",
+            f"preempted {req.seq_id} ({reason}): {lost} tokens to recompute",
+            victim=req.seq_id,
+            reason=reason,
+            tokens_lost=lost,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def _finish_unfittable(self, req: Request) -> None:
+        need = self.kv.blocks_needed(req.num_computed_tokens + 1)
+        if req.num_output_tokens > 0:
+            status = RequestStatus.FINISHED_LENGTH
+        else:
+            status = RequestStatus.FINISHED_ERROR
+            need = self.kv.blocks_needed(req.target_num_tokens + 1)
+            req.error = (
+                f"request needs {need} KV blocks of {self.block_size} tokens "
+                f"but the pool has {self.kv.num_blocks}"
+            )
+        self.add_event(
+            "error" if status == RequestStatus.FINISHED_ERROR else "kv_capacity",
+            f"{req.seq_id} cannot fit the KV pool ({need} blocks > {self.kv.num_blocks})",
+            request=req.seq_id,
+            blocks_needed=need,
+        )
+        self._finish(req, status)
+
+    def _fork(self, parent: Request) -> None:
+        """Split an n > 1 parent into n sequences sharing its blocks (copy-on-write later)."""
+        n = parent.pending_forks
+        parent.pending_forks = 1
+        group = self.groups[parent.request_id]
+        pos = self.running.index(parent) + 1
+        for i in range(1, n):
+            child = Request.__new__(Request)
+            for slot in Request.__slots__:
+                setattr(child, slot, getattr(parent, slot))
+            child.index = i
+            child.seq_id = f"{parent.request_id}#{i}"
+            child.all_token_ids = list(parent.all_token_ids)
+            child.blocks = []
+            child.block_ids = []
+            child.pending_forks = 1
+            self.kv.fork(parent, child)
+            group.append(child)
+            self.running.insert(pos, child)
+            pos += 1
+
+    # -- results ------------------------------------------------------------------------
+
+    def update_from_output(
+        self, so: SchedulerOutput, ro: ModelRunnerOutput, step_duration: float = 0.0
+    ) -> list[EngineCoreOutput]:
+        """Advance the scheduled sequences by what the step computed and sampled."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        kv = self.kv
+        bs = self.block_size
+        caching = kv.enable_prefix_caching
+        sampled = ro.sampled_token_ids
+        logprobs = ro.logprobs
+        prompt_lps = ro.prompt_logprobs
+        running_status = RequestStatus.RUNNING
+        num_prompt = 0
+        num_generated = 0
+        recomputed = 0
+        now = time.monotonic()
+        finished: list[Request] = []
+        for i, req in enumerate(so.seqs):
+            if req.status is not running_status:
+                continue  # finished while the step ran (e.g. aborted)
+            n = so.num_scheduled_tokens[i]
+            before = req.num_computed_tokens
+            if before < req.num_prompt_tokens:
+                p = min(before + n, req.num_prompt_tokens) - before
+                num_prompt += p
+                req.num_prompt_tokens_computed += p
+            if req.num_preemptions and before < len(req.all_token_ids) - 1:
+                recomputed += min(before + n, len(req.all_token_ids) - 1) - before
+            req.num_computed_tokens = before + n
+            if caching and (before + n) // bs > req.num_registered_blocks:
+                kv.cache_full_blocks(req)
+            if not so.sample[i]:
+                if req.pending_forks > 1 and req.num_computed_tokens >= req.target_num_tokens:
+                    self._fork(req)
+                if prompt_lps and req.seq_id in prompt_lps:
+                    outputs.append(self._output(req, [], prompt_logprobs=prompt_lps[req.seq_id]))
+                continue
+            tok = sampled[i]
+            tokens = req.all_token_ids
+            tokens.append(tok)
+            num_generated += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            ntok = len(tokens)
+            status = None
+            if tok in req.stop_ids and ntok >= req.min_num_tokens:
+                status = RequestStatus.FINISHED_STOPPED
+                if tok in req.sampling_params.stop_token_ids:
+                    req.stop_reason = tok
+            elif ntok >= req.max_num_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                req.status = status
+                finished.append(req)
+            lp = logprobs[i] if logprobs is not None else None
+            if lp is not None or (prompt_lps and req.seq_id in prompt_lps):
+                outputs.append(
+                    self._output(
+                        req,
+                        [tok],
+                        new_logprobs=[lp] if lp is not None else None,
+                        prompt_logprobs=prompt_lps.get(req.seq_id) if prompt_lps else None,
+                    )
+                )
+            else:
+                outputs.append(self._output(req, [tok]))
+        if finished:
+            self.running = [r for r in self.running if r.status is running_status]
+            for req in finished:
+                kv.free(req)
+                self._release(req)
+        c = self.counters
+        c.prompt_tokens += num_prompt
+        c.generation_tokens += num_generated
+        c.recomputed_tokens += recomputed
+        if so.seqs:
+            c.steps += 1
+            self.step_stats.append(
+                StepStat(
+                    so.step_id,
+                    time.time(),
+                    step_duration,
+                    so.total_num_scheduled_tokens,
+                    self.config.max_num_batched_tokens,
+                    len(so.seqs),
+                    num_prompt,
+                    num_generated,
+                )
+            )
+        return outputs
+
+    def finish_by_stop_string(self, request_id: str, index: int, stop: str) -> None:
+        """Finish one sequence whose text hit a stop string (found by the detokenizer)."""
+        for req in list(self.groups.get(request_id, ())):
+            if req.index == index:
+                req.stop_reason = stop
+                self._finish(req, RequestStatus.FINISHED_STOPPED, emit=False)
+
+    def _drain_finished_ids(self) -> list[str]:
+        ids = self._finished_seq_ids
+        self._finished_seq_ids = []
+        return ids
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        return outputs
+
+    # -- live configuration -------------------------------------------------------------
+
+    def add_event(self, kind: str, message: str, **data) -> Event:
+        ev = Event(next(self._event_ids), time.time(), kind, message, data)
+        self.events.append(ev)
+        return ev
+
+    def set(self, name: str, value: object, client: str = "") -> tuple[object, object]:
+        """Change one live setting; applied from the next step. Returns (old, new).
+
+        Raises ``KeyError`` for an unknown name and ``ValueError`` for a bad value.
+        """
+        if name not in LIVE_SETTINGS:
+            raise KeyError(f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}")
+        typ = LIVE_SETTINGS[name][0]
+        if typ is bool:
+            value = _parse_bool(name, value)
+        else:
+            value = _parse_int(name, value)
+        cfg = self.config
+        if name == "max_num_batched_tokens":
+            if not 1 <= value <= cfg.max_num_batched_tokens_limit:
+                raise ValueError(
+                    f"max_num_batched_tokens must be in [1, {cfg.max_num_batched_tokens_limit}], "
+                    f"got {value}"
+                )
+        elif name == "max_num_seqs":
+            if not 1 <= value <= self.max_num_seqs_limit:
+                raise ValueError(
+                    f"max_num_seqs must be in [1, {self.max_num_seqs_limit}] (the start-up "
+                    f"value is the limit), got {value}"
+                )
+        elif name == "long_prefill_token_threshold" and value < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {value}")
+        if name == "enable_prefix_caching":
+            old = self.kv.enable_prefix_caching
+            self._set_prefix_caching(bool(value))
+        else:
+            old = getattr(cfg, name)
+            setattr(cfg, name, value)
+        if old != value:
+            who = f" by {client}" if client else ""
+            self.add_event(
+                "config", f"{name}: {old} -> {value}{who}", name=name, old=old, new=value, client=client
+            )
+        return old, value
+
+    def _set_prefix_caching(self, enabled: bool) -> None:
+        kv = self.kv
+        if enabled == kv.enable_prefix_caching:
+            return
+        kv.enable_prefix_caching = enabled
+        self.cache_config.enable_prefix_caching = enabled
+        if not enabled:
+            # Stop lookups and new entries; cached-but-unused blocks become plain free blocks.
+            # Running sequences keep their blocks and re-register them if caching returns.
+            kv.reset_prefix_cache()
+            for req in self.running:
+                req.num_registered_blocks = 0
+
+    def reset_prefix_cache(self, client: str = "") -> int:
+        released = self.kv.reset_prefix_cache()
+        who = f" by {client}" if client else ""
+        self.add_event(
+            "prefix_cache_reset",
+            f"prefix cache reset{who}: {released} cached blocks released",
+            released_blocks=released,
+            client=client,
+        )
+        return released
+
+    def set_paused(self, paused: bool, client: str = "") -> bool:
+        old = self.paused
+        self.paused = paused
+        if old != paused:
+            who = f" by {client}" if client else ""
+            self.add_event("pause" if paused else "resume", f"admission {'paused' if paused else 'resumed'}{who}", client=client)
+        return old
+
+    def live_config(self) -> dict[str, int | float | str | bool]:
+        cfg = self.config
+        return {
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
+            "enable_prefix_caching": self.kv.enable_prefix_caching,
+            "paused": self.paused,
+            "policy": cfg.policy,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.kv.num_blocks,
+            "max_model_len": cfg.max_model_len,
+            "max_num_seqs_limit": self.max_num_seqs_limit,
+            "max_num_batched_tokens_limit": cfg.max_num_batched_tokens_limit,
+        }
+
+
+def _parse_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "on", "yes"):
+        return True
+    if isinstance(value, str) and value.lower() in ("0", "false", "off", "no"):
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be on/off (true/false), got {value!r}")
+
+
+def _parse_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""))
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -1,0 +1,162 @@
+"""The telemetry snapshot: a cheap, read-only picture of the whole engine core.
+
+Boundary type: built by ``EngineCore.snapshot()``, published by the daemon as one msgpack
+frame, read by ``pagectl top``. Per-block data travels as packed byte arrays (one byte per
+block), never as a dict per block, so a 1,000,000-block pool is a few megabytes.
+
+Version 1. A reader must check ``version`` and refuse a newer major version.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+TELEMETRY_VERSION = 1
+
+
+class BlockMap(msgspec.Struct):
+    """Per-block state of the KV pool. Arrays are indexed by block id."""
+
+    # Blocks in the pool and token slots per block.
+    num_blocks: int
+    block_size: int
+    # uint8 per block: number of block tables holding it, clipped to 255. 0 = free.
+    ref_counts: bytes
+    # uint8 per block: 1 if the block is registered in the prefix cache (full, reusable).
+    hashed: bytes
+
+
+class RequestRow(msgspec.Struct):
+    """One sequence known to the scheduler (waiting or running)."""
+
+    request_id: str
+    # Index among the request's n samples.
+    index: int
+    # "waiting", "running" or "preempted" (waiting again after losing its blocks).
+    state: str
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    # Tokens whose K/V are in the sequence's blocks.
+    num_computed_tokens: int
+    # Prompt tokens served by the prefix cache at admission (-1: not admitted yet).
+    num_cached_tokens: int
+    # Blocks in the sequence's block table, and how many of them others hold too.
+    num_blocks: int
+    num_shared_blocks: int
+    num_preemptions: int
+    # Seconds since arrival.
+    age_s: float
+    # The block table, uint32 little-endian block ids in token order.
+    block_ids: bytes
+
+
+class Counters(msgspec.Struct):
+    """Totals since start."""
+
+    # Prefix cache, in tokens: tokens looked up at first admission, and tokens served from
+    # the cache. Re-prefill after a preemption is in neither.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # Preemptions, total and by reason.
+    preemptions: int = 0
+    preemptions_by_reason: dict[str, int] = {}
+    # Tokens recomputed because of preemption.
+    recomputed_tokens: int = 0
+    # Prompt tokens computed (cache hits excluded) and tokens generated.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    # Engine steps that ran a forward.
+    steps: int = 0
+    # Finished sequences by finish reason; requests refused at submission.
+    finished_by_reason: dict[str, int] = {}
+    rejected: int = 0
+    # Cached blocks handed out again (prefix cache evictions).
+    evictions: int = 0
+
+
+class StepStat(msgspec.Struct, array_like=True):
+    """One engine step."""
+
+    step_id: int
+    # time.time() when the step finished, and its duration in seconds.
+    time: float
+    duration_s: float
+    # Tokens scheduled and the budget in force.
+    num_scheduled_tokens: int
+    token_budget: int
+    # Sequences in the batch; prompt tokens computed and tokens sampled in it.
+    num_seqs: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class Event(msgspec.Struct):
+    """A notable event: preemption, config change, cache reset, rejected request."""
+
+    # Monotonic event number (a reader dedups by it).
+    event_id: int
+    time: float
+    # "preemption", "config", "prefix_cache_reset", "rejected", "pause", "resume", "abort",
+    # "error".
+    kind: str
+    # One line for humans.
+    message: str
+    # Structured details, e.g. {"victim": ..., "reason": ..., "tokens_lost": ...}.
+    data: dict[str, str | int | float | bool | None] = {}
+
+
+class ModelInfo(msgspec.Struct):
+    """Static facts about what is served."""
+
+    model: str = ""
+    dtype: str = ""
+    device: str = ""
+    tp_size: int = 1
+    # Bytes of KV memory per block on each rank, and per rank in total.
+    kv_bytes_per_block: int = 0
+    kv_bytes_per_rank: int = 0
+    max_model_len: int = 0
+
+
+class TelemetrySnapshot(msgspec.Struct):
+    """Everything the console shows, at one instant between two engine steps."""
+
+    version: int
+    # Snapshot sequence number, +1 per snapshot built.
+    seq: int
+    # time.time() when built, and when the engine started.
+    time: float
+    start_time: float
+    # "running", "paused" (admission paused), "draining" or "dead".
+    engine_state: str
+    model: ModelInfo
+    # The live configuration under snake_case names (max_num_batched_tokens, max_num_seqs,
+    # long_prefill_token_threshold, enable_prefix_caching, ...) and the start-up limits.
+    config: dict[str, int | float | str | bool]
+    blocks: BlockMap
+    # Pool summary: free (incl. cached), cached-and-evictable, in use (refcount > 0).
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    num_used_blocks: int
+    # Token slots holding live tokens in blocks in use (the rest is fragmentation).
+    num_used_token_slots: int
+    num_running: int
+    num_waiting: int
+    requests: list[RequestRow]
+    counters: Counters
+    # The most recent steps (a reader dedups by step_id).
+    steps: list[StepStat]
+    # The most recent events (a reader dedups by event_id).
+    events: list[Event]
+
+
+def encode_snapshot(snap: TelemetrySnapshot) -> bytes:
+    return msgspec.msgpack.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> TelemetrySnapshot:
+    snap = msgspec.msgpack.decode(data, type=TelemetrySnapshot)
+    if snap.version > TELEMETRY_VERSION:
+        raise ValueError(f"telemetry version {snap.version} is newer than {TELEMETRY_VERSION}")
+    return snap

@@ -1,0 +1,1 @@
+"""pagectl top: the live KV-cache operator console."""
