@@ -1,0 +1,84 @@
+"""The admin channel's wire protocol (msgpack over ZMQ; nothing is ever pickled).
+
+Two sockets, both bound by the engine-core process:
+
+- telemetry: PUB. Each message is ONE frame: ``msgpack(TelemetrySnapshot)`` (see
+  ``pagectl.engine.telemetry``), published at a bounded rate with a small send high-water mark,
+  so a slow or absent subscriber never blocks the engine. Subscribers subscribe to b"" and
+  should set ZMQ_CONFLATE to keep only the newest snapshot.
+- control: ROUTER. A client (DEALER) sends ONE frame: ``msgpack(ControlRequest)``; the reply is
+  ONE frame: ``msgpack(ControlReply)`` carrying the same ``id``. Commands are applied between
+  engine steps. A request without the right token gets ``error.kind == "unauthorized"``.
+
+The daemon writes a ``RuntimeInfo`` JSON file into the runtime directory at start so that
+``pagectl top`` / ``pagectl ctl`` find it with no arguments.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagectl.engine.commands import Command
+
+PROTOCOL_VERSION = 1
+
+
+class ControlRequest(msgspec.Struct, kw_only=True):
+    """One admin command from a client."""
+
+    # Client-chosen id, echoed in the reply (clients match replies by it).
+    id: int
+    # The control token read from the daemon's 0600 token file.
+    token: str
+    # Free-form client name recorded in the audit log (e.g. "ctl@host:pid", "top@host:pid").
+    client: str = ""
+    # The command (tagged union on its "cmd" field).
+    command: Command
+    version: int = PROTOCOL_VERSION
+
+
+class ErrorInfo(msgspec.Struct):
+    # unauthorized | invalid_value | unknown_setting | unknown_command | not_found |
+    # bad_request | engine_dead | timeout
+    kind: str
+    message: str
+
+
+class ControlReply(msgspec.Struct, kw_only=True):
+    """The daemon's answer to one ControlRequest."""
+
+    id: int
+    ok: bool
+    # Command-specific result (e.g. {"name", "old", "new"} for set) when ok.
+    result: dict | None = None
+    error: ErrorInfo | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class RuntimeInfo(msgspec.Struct, kw_only=True):
+    """Contents of the daemon's runtime file (JSON)."""
+
+    pid: int
+    # time.time() at start.
+    start_time: float
+    model: str
+    # Base URL of the HTTP API, e.g. "http://127.0.0.1:8000".
+    http_url: str
+    # ZMQ endpoints of the admin channel, e.g. "ipc:///run/user/0/pagectl/8000/telemetry".
+    telemetry_endpoint: str
+    control_endpoint: str
+    # Path of the 0600 file holding the control token.
+    token_file: str
+    version: int = PROTOCOL_VERSION
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def decode_request(frame: bytes) -> ControlRequest:
+    return msgspec.msgpack.decode(frame, type=ControlRequest)
+
+
+def decode_reply(frame: bytes) -> ControlReply:
+    return msgspec.msgpack.decode(frame, type=ControlReply)
