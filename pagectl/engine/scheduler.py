@@ -215,13 +215,27 @@ class Scheduler:
         running = self.running
 
         # 1. Running sequences first, in order; preempt from the back when blocks run out.
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = req.target_num_tokens - req.num_computed_tokens
-            if num_new <= 0:
-                i += 1
-                continue
+            nc = req.num_computed_tokens
+            ntok = len(req.all_token_ids)
+            if req.pending_forks > 1:
+                num_new = req.target_num_tokens - nc
+                if num_new <= 0:
+                    i += 1
+                    continue
+            else:
+                num_new = ntok - nc
+                if num_new == 1 and nc % bs and req.blocks[-1].ref_cnt == 1:
+                    # Steady decode: the slot is in the sequence's own last block.
+                    seqs.append(req)
+                    counts.append(1)
+                    samples.append(True)
+                    budget -= 1
+                    i += 1
+                    continue
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -243,7 +257,7 @@ class Scheduler:
                 continue  # running shrank; ``i`` now points past the end or at the next one
             seqs.append(req)
             counts.append(num_new)
-            samples.append(req.num_computed_tokens + num_new == len(req.all_token_ids))
+            samples.append(nc + num_new == ntok)
             budget -= num_new
             i += 1
 
@@ -391,21 +405,24 @@ class Scheduler:
         recomputed = 0
         now = time.monotonic()
         finished: list[Request] = []
+        counts = so.num_scheduled_tokens
+        samples = so.sample
         for i, req in enumerate(so.seqs):
             if req.status is not running_status:
                 continue  # finished while the step ran (e.g. aborted)
-            n = so.num_scheduled_tokens[i]
+            n = counts[i]
             before = req.num_computed_tokens
+            after = before + n
             if before < req.num_prompt_tokens:
-                p = min(before + n, req.num_prompt_tokens) - before
+                p = min(after, req.num_prompt_tokens) - before
                 num_prompt += p
                 req.num_prompt_tokens_computed += p
             if req.num_preemptions and before < len(req.all_token_ids) - 1:
-                recomputed += min(before + n, len(req.all_token_ids) - 1) - before
-            req.num_computed_tokens = before + n
-            if caching and (before + n) // bs > req.num_registered_blocks:
+                recomputed += min(after, len(req.all_token_ids) - 1) - before
+            req.num_computed_tokens = after
+            if caching and after // bs > req.num_registered_blocks:
                 kv.cache_full_blocks(req)
-            if not so.sample[i]:
+            if not samples[i]:
                 if req.pending_forks > 1 and req.num_computed_tokens >= req.target_num_tokens:
                     self._fork(req)
                 if prompt_lps and req.seq_id in prompt_lps:
@@ -439,7 +456,19 @@ class Scheduler:
                     )
                 )
             else:
-                outputs.append(self._output(req, [tok]))
+                outputs.append(
+                    EngineCoreOutput(
+                        req.request_id,
+                        req.index,
+                        [tok],
+                        None if status is None else req.finish_reason,
+                        req.stop_reason,
+                        None,
+                        None,
+                        req.num_prompt_tokens,
+                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                    )
+                )
         if finished:
             self.running = [r for r in self.running if r.status is running_status]
             for req in finished:

@@ -1,0 +1,117 @@
+"""Scheduler + KV manager overhead per engine step, without a model.
+
+Cases:
+- decode_256: 256 running requests in steady decode, contexts 512-2048, block size 16,
+  prefix caching on. One step = schedule() + update_from_output() with a fake sampled token per
+  request (the model forward is not part of the figure).
+- mixed: 64 decoding requests plus new 1024-token prompts arriving so that every step carries
+  prefill chunks next to the decodes (budget 2048).
+
+Usage:
+    python benchmarks/scheduler_overhead.py [--steps N] [--json]
+With --json the last line is one JSON object with decode_256_us_per_step and mixed_us_per_step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+
+from pagectl.engine.config import CacheConfig, SchedulerConfig
+from pagectl.engine.outputs import ModelRunnerOutput
+from pagectl.engine.request import Request
+from pagectl.engine.sampling_params import SamplingParams
+from pagectl.engine.scheduler import Scheduler
+
+
+def _make_scheduler(num_blocks: int, budget: int, max_seqs: int) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=1 << 20),
+        CacheConfig(block_size=16, num_kv_blocks=num_blocks, enable_prefix_caching=True),
+    )
+
+
+def _fake_output(so) -> ModelRunnerOutput:
+    # Sampled token ids: cheap and never EOS (ignore_eos anyway).
+    return ModelRunnerOutput([7 if s else -1 for s in so.sample])
+
+
+def _timed_steps(sched: Scheduler, steps: int, between=None) -> list[float]:
+    times = []
+    gc.collect()
+    for _ in range(steps):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        sched.update_from_output(so, _fake_output(so))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_decode(num_requests: int, steps: int, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    sched = _make_scheduler(num_blocks=num_requests * 160, budget=8192, max_seqs=num_requests)
+    sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+    for i in range(num_requests):
+        ctx = rng.randint(512, 2048)
+        prompt = [rng.randrange(1, 30000) for _ in range(ctx)]
+        sched.add_request(Request(f"r{i}", prompt, sp))
+    # Prefill everything (not timed) until every request decodes one token per step.
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
+        so = sched.schedule()
+        sched.update_from_output(so, _fake_output(so))
+    assert sched.num_running == num_requests
+    _timed_steps(sched, 20)  # warm-up
+    times = _timed_steps(sched, steps)
+    return statistics.mean(times) * 1e6
+
+
+def bench_mixed(steps: int, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    sched = _make_scheduler(num_blocks=64 * 200, budget=2048, max_seqs=128)
+    sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+    for i in range(64):
+        prompt = [rng.randrange(1, 30000) for _ in range(rng.randint(512, 1024))]
+        sched.add_request(Request(f"d{i}", prompt, sp))
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
+        so = sched.schedule()
+        sched.update_from_output(so, _fake_output(so))
+    counter = [0]
+    short = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+
+    def arrive() -> None:
+        # Keep one long prompt waiting so every step has a prefill chunk beside the decodes.
+        if sched.num_waiting == 0:
+            counter[0] += 1
+            prompt = [rng.randrange(1, 30000) for _ in range(1024)]
+            sched.add_request(Request(f"p{counter[0]}", prompt, short))
+
+    _timed_steps(sched, 10, arrive)
+    times = _timed_steps(sched, steps, arrive)
+    return statistics.mean(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    d256 = bench_decode(256, args.steps)
+    d64 = bench_decode(64, args.steps)
+    mixed = bench_mixed(args.steps)
+    print(f"{'case':<28}{'us/step':>10}{'us/request':>12}")
+    print(f"{'decode, 256 requests':<28}{d256:>10.1f}{d256 / 256:>12.2f}")
+    print(f"{'decode, 64 requests':<28}{d64:>10.1f}{d64 / 64:>12.2f}")
+    print(f"{'mixed, 64 decode + prefill':<28}{mixed:>10.1f}{'':>12}")
+    print("target: decode_256 <= 300 us/step")
+    if args.json:
+        print(json.dumps({"decode_256_us_per_step": round(d256, 1), "decode_64_us_per_step": round(d64, 1), "mixed_us_per_step": round(mixed, 1)}))
+
+
+if __name__ == "__main__":
+    main()
