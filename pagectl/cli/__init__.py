@@ -20,9 +20,11 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen subcommand's module is imported to add its flags."""
     from pagectl import __version__
 
+    chosen = argv[0] if argv else None
     parser = argparse.ArgumentParser(
         prog="pagectl",
         description="A paged-KV-cache LLM serving daemon with a live KV-cache console.",
@@ -32,24 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        if "--help" in sys.argv or "-h" in sys.argv or name in sys.argv[1:2]:
-            try:
-                importlib.import_module(module).add_arguments(p)
-            except ModuleNotFoundError as e:
-                if e.name != module:
-                    raise
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    saved = sys.argv
-    sys.argv = [saved[0], *argv]
-    try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-    finally:
-        sys.argv = saved
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

@@ -1,0 +1,111 @@
+"""``pagectl generate``: print a continuation of a prompt, offline, without a server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by ``generate`` and ``bench``."""
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the built-in model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="prefix caching"
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
+    add_engine_arguments(p)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("-n", type=int, default=1, help="number of samples")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagectl.engine.llm import LLM
+    from pagectl.engine.sampling_params import SamplingParams
+
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        sp = SamplingParams(
+            n=args.n,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.sampling_seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        print(f"pagectl generate: {e}", file=sys.stderr)
+        return 2
+    with LLM(**engine_kwargs(args)) as llm:
+        try:
+            if args.chat:
+                outs = llm.chat([{"role": "user", "content": prompt}], sp)
+            else:
+                outs = llm.generate(prompt, sp)
+        except ValueError as e:
+            print(f"pagectl generate: {e}", file=sys.stderr)
+            return 2
+    for out in outs[0].outputs:
+        if len(outs[0].outputs) > 1:
+            print(f"--- sample {out.index} ({out.finish_reason}) ---")
+        text = out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids))
+        sys.stdout.write((prompt if args.echo else "") + text + "\n")
+    return 0

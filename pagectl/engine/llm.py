@@ -1,0 +1,300 @@
+"""The offline Python API: ``LLM`` and its outputs.
+
+    from pagectl import LLM, SamplingParams
+    llm = LLM(model="path/or/hub-id", dtype="float32")
+    outs = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text)
+
+Runs the engine loop in the caller's thread: ``generate`` adds every prompt, steps the engine
+until all are finished, and returns one ``RequestOutput`` per prompt, in input order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagectl.engine.args import EngineArgs
+from pagectl.engine.outputs import TokenLogprobs
+from pagectl.engine.sampling_params import SamplingParams
+from pagectl.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
+
+PromptType = str | dict | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # "stop", "length", "abort" or "error".
+    finish_reason: str | None
+    # The stop string or stop token id that ended it, if any.
+    stop_reason: int | str | None = None
+    # Per generated token, when SamplingParams.logprobs was set.
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # Prompt tokens served by the prefix cache.
+    num_cached_tokens: int = 0
+    # Per prompt token (None for the first), when SamplingParams.prompt_logprobs was set.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finished: bool = True
+
+
+@dataclass
+class _Seq:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    detok: IncrementalDetokenizer | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class LLM:
+    """An engine in this process, for batch generation without a server."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: str | int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        from pagectl.engine.builder import build_engine
+
+        self.args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = build_engine(self.args)
+        self.core = self.engine.core
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+        self._closed = False
+        # Shut workers down at interpreter exit even if the caller forgets.
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
+        atexit.register(self._finalizer)
+
+    # -- public API ---------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of them.
+
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
+        token ids. ``sampling_params`` is one for all prompts or one per prompt.
+        """
+        plist = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(plist)} prompts (give one, or one per prompt)"
+                )
+        encoded = [self._encode(p) for p in plist]
+        return self._run(encoded, params, priority, cache_salt)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": apply_chat_template(self.tokenizer, list(c), **(chat_template_kwargs or {}))}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        """Stop the engine and any worker processes. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals ----------------------------------------------------------------------
+
+    @staticmethod
+    def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        plist = list(prompts)
+        if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+            return [plist]  # a single prompt given as token ids
+        return plist
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        core = self.core
+        rids = [f"llm-{next(self._ids)}" for _ in encoded]
+        seqs: dict[tuple[str, int], _Seq] = {}
+        meta: dict[str, tuple[int, SamplingParams]] = {}
+        prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
+        cached: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+                core.add_request(
+                    rids[i],
+                    ids,
+                    sp,
+                    priority=priority[i] if priority is not None else 0,
+                    cache_salt=cache_salt,
+                )
+                added.append(rids[i])
+                meta[rids[i]] = (i, sp)
+                if sp.prompt_logprobs is not None:
+                    prompt_lps[rids[i]] = [None]
+                for j in range(sp.n):
+                    seqs[(rids[i], j)] = _Seq(
+                        logprobs=[] if sp.logprobs is not None else None,
+                        detok=IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None,
+                    )
+            while core.has_unfinished():
+                for o in core.step():
+                    s = seqs.get((o.request_id, o.index))
+                    if s is None:
+                        continue
+                    cached[o.request_id] = o.num_cached_tokens
+                    if o.prompt_logprobs and o.request_id in prompt_lps:
+                        prompt_lps[o.request_id].extend(o.prompt_logprobs)
+                    if s.finish_reason is not None:
+                        continue  # finished by a stop string; late tokens are dropped
+                    s.tokens.extend(o.new_token_ids)
+                    if s.logprobs is not None and o.new_logprobs:
+                        s.logprobs.extend(o.new_logprobs)
+                    if s.detok is not None and o.new_token_ids:
+                        s.detok.push(o.new_token_ids)
+                        if s.detok.stop_hit is not None:
+                            s.finish_reason = "stop"
+                            s.stop_reason = s.detok.stop_hit
+                            core.scheduler.finish_by_stop_string(o.request_id, o.index, s.detok.stop_hit)
+                            continue
+                    if o.finish_reason:
+                        s.finish_reason = o.finish_reason
+                        s.stop_reason = o.stop_reason
+                        s.error = o.error
+        except BaseException:
+            for rid in added:
+                core.abort_request(rid)
+            core.scheduler.take_pending_outputs()
+            raise
+        results = []
+        for rid, (prompt, ids) in zip(rids, encoded):
+            _, sp = meta[rid]
+            outs = []
+            for j in range(sp.n):
+                s = seqs[(rid, j)]
+                text = s.detok.text if s.detok is not None else ""
+                outs.append(
+                    CompletionOutput(j, text, s.tokens, s.finish_reason, s.stop_reason, s.logprobs, s.error)
+                )
+            results.append(
+                RequestOutput(
+                    rid,
+                    prompt,
+                    ids,
+                    outs,
+                    num_cached_tokens=cached.get(rid, 0),
+                    prompt_logprobs=prompt_lps.get(rid),
+                )
+            )
+        return results
+
+
+def _shutdown_engine(engine: Any) -> None:
+    try:
+        engine.shutdown()
+    except Exception:  # best effort at interpreter exit
+        pass
