@@ -1,0 +1,343 @@
+"""``pagectl bench throughput``: offline throughput through the LLM API, beside its peers.
+
+In one run, on the same model, workload and threads: pagectl (``LLM.generate`` with each
+request's own ``max_tokens``), transformers continuous batching, transformers ``generate`` in
+static padded batches, and the forward-pass limit. Prints useful output tokens/s and the
+ratios against the targets; ``--json`` adds one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
+from pagectl.bench.results import EngineResult, count_useful
+from pagectl.bench.workload import BenchRequest, WorkloadSpec, random_workload
+
+PEERS = ("hf-cb", "hf-static", "forward")
+# Minimum pagectl / peer ratios the project aims for (see docs/PERFORMANCE.md).
+TARGETS = {"hf-cb": 5.0, "hf-static": 4.0, "forward": 0.6}
+DEFAULT_SYNTHETIC = "qwen3-33m"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, num_requests: int = 64) -> None:
+    g = p.add_argument_group("workload (random token-id prompts, ignore_eos)")
+    g.add_argument("--num-requests", type=int, default=num_requests)
+    g.add_argument("--min-input-len", type=int, default=64)
+    g.add_argument("--max-input-len", type=int, default=512)
+    g.add_argument("--min-output-len", type=int, default=32)
+    g.add_argument("--max-output-len", type=int, default=256)
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmark model")
+    g.add_argument(
+        "--synthetic-model",
+        default=None,
+        help=f"build (once, into a cache dir) and use a random-weight model: qwen3-33m or qwen3-tiny "
+        f"(default when --model is not given: {DEFAULT_SYNTHETIC})",
+    )
+    g.add_argument("--synthetic-cache-dir", default=None, help="where synthetic models are built")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagectl.cli.generate import add_engine_arguments
+
+    add_engine_arguments(p)
+    add_model_arguments(p)
+    add_workload_arguments(p)
+    g = p.add_argument_group("peers")
+    g.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma-separated peers to run, from {', '.join(PEERS)}; 'none' for pagectl alone",
+    )
+    g.add_argument("--no-pagectl", action="store_true", help="run the peers only")
+    g.add_argument(
+        "--hf-batch-size", type=int, default=16, help="static batch size of transformers generate"
+    )
+    g.add_argument(
+        "--hf-max-batch-tokens",
+        type=int,
+        default=None,
+        help="token budget per step of transformers continuous batching (default: pagectl's budget, or 2048)",
+    )
+    g.add_argument(
+        "--hf-page-size", type=int, default=256, help="page size of transformers' paged cache"
+    )
+    g.add_argument(
+        "--forward-seq-len",
+        type=int,
+        default=512,
+        help="sequence length of the forward-limit probe",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def parse_peers(value: str) -> list[str]:
+    if value.strip().lower() in ("", "none"):
+        return []
+    peers = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in peers if v not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    return peers
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model directory or id to benchmark: --model, else the synthetic model."""
+    if args.model is not None and args.synthetic_model is None:
+        return args.model
+    from pagectl.bench.synthetic import ensure_synthetic_model
+
+    name = args.synthetic_model or DEFAULT_SYNTHETIC
+    log(f"synthetic model {name}: building or reusing in the cache dir ...")
+    return str(ensure_synthetic_model(name, args.synthetic_cache_dir))
+
+
+def model_vocab_size(model: str) -> int:
+    cfg = Path(model) / "config.json"
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        text = data.get("text_config") or data
+        return int(text["vocab_size"])
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model)
+    return int(c.get_text_config().vocab_size)
+
+
+def workload_from_args(
+    args: argparse.Namespace, vocab_size: int
+) -> tuple[WorkloadSpec, list[BenchRequest]]:
+    spec = WorkloadSpec(
+        num_requests=args.num_requests,
+        min_input_len=args.min_input_len,
+        max_input_len=args.max_input_len,
+        min_output_len=args.min_output_len,
+        max_output_len=args.max_output_len,
+        vocab_size=vocab_size,
+        seed=args.workload_seed,
+    )
+    return spec, random_workload(spec)
+
+
+def run_pagectl(llm: Any, workload: list[BenchRequest], temperature: float = 0.0) -> EngineResult:
+    """Time ``llm.generate`` on the whole workload, one ``SamplingParams`` per request."""
+    from pagectl.engine.sampling_params import SamplingParams
+
+    res = EngineResult("pagectl", "pagectl (LLM.generate)", len(workload))
+    params = [
+        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, seed=i)
+        for i, r in enumerate(workload)
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    # Warm-up, not timed: first-call costs (allocations, kernels) out of the figure.
+    llm.generate(
+        {"prompt_token_ids": [1, 2, 3, 4]},
+        SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+    )
+    counters = _engine_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    res.elapsed_s = time.perf_counter() - t0
+    after = _engine_counters(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    res.useful_output_tokens, res.num_length_mismatches = count_useful(
+        tokens, [r.output_len for r in workload]
+    )
+    res.extra = {k: after[k] - counters.get(k, 0) for k in after}
+    return res
+
+
+def _engine_counters(llm: Any) -> dict[str, int]:
+    """Scheduler counters (steps, prompt tokens computed, preemptions), when reachable."""
+    try:
+        c = llm.core.scheduler.counters
+    except AttributeError:
+        return {}
+    return {
+        "steps": c.steps,
+        "prompt_tokens_computed": c.prompt_tokens,
+        "generation_tokens": c.generation_tokens,
+        "preemptions": c.preemptions,
+    }
+
+
+def build_report(
+    spec: WorkloadSpec, model: str, results: list[EngineResult], extra: dict | None = None
+) -> dict:
+    """The JSON report: workload, machine, each engine's result, ratios and targets."""
+    by_name = {r.name: r for r in results}
+    pc = by_name.get("pagectl")
+    ratios = {}
+    targets = {}
+    for name, goal in TARGETS.items():
+        peer = by_name.get(name)
+        r = ratio(pc.tokens_per_s if pc else None, peer.tokens_per_s if peer else None)
+        ratios[f"pagectl/{name}"] = r
+        targets[f"pagectl/{name}"] = {"target": goal, "met": None if r is None else r >= goal}
+    return {
+        "benchmark": "throughput",
+        "model": model,
+        "workload": asdict(spec),
+        "machine": machine_info(),
+        "results": {r.name: r.to_dict() for r in results},
+        "ratios": ratios,
+        "targets": targets,
+        **(extra or {}),
+    }
+
+
+def render_table(results: list[EngineResult]) -> str:
+    pc = next((r for r in results if r.name == "pagectl"), None)
+    rows = []
+    for r in results:
+        tps = r.tokens_per_s
+        rel = ratio(pc.tokens_per_s, tps) if pc is not None and r is not pc else None
+        if r.error is not None:
+            rows.append([r.label, "-", "-", "-", "-", "skipped"])
+            continue
+        if r.name == "forward":
+            rows.append([r.label, "-", "-", "-", tps, fmt_ratio(rel)])
+            continue
+        rows.append(
+            [r.label, r.num_requests, r.useful_output_tokens, r.elapsed_s, tps, fmt_ratio(rel)]
+        )
+    headers = ["engine", "requests", "useful tokens", "time s", "useful tok/s", "pagectl / this"]
+    notes = [f"{r.label} skipped: {r.error}" for r in results if r.error is not None]
+    return "\n".join([format_table(headers, rows), *notes])
+
+
+def render_targets(report: dict) -> str:
+    names = {
+        "hf-cb": "transformers continuous batching",
+        "hf-static": "static batches",
+        "forward": "forward limit",
+    }
+    lines = []
+    for key, t in report["targets"].items():
+        r = report["ratios"][key]
+        peer = key.split("/", 1)[1]
+        state = "pending" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        lines.append(
+            f"pagectl / {names[peer]}: {fmt_ratio(r)} (target >= {t['target']:g}x: {state})"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        peers = parse_peers(args.peers)
+    except ValueError as e:
+        print(f"pagectl bench throughput: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model = resolve_model(args)
+    try:
+        spec, workload = workload_from_args(args, model_vocab_size(model))
+    except ValueError as e:
+        print(f"pagectl bench throughput: {e}", file=sys.stderr)
+        return 2
+    n_out = sum(r.output_len for r in workload)
+    log(
+        f"model {model}; {len(workload)} requests, {n_out} output tokens; torch threads {torch.get_num_threads()}"
+    )
+    results: list[EngineResult] = []
+    budget = args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
+
+    if not args.no_pagectl:
+        results.append(_run_pagectl_engine(args, model, workload))
+    hf_model = None
+    if peers:
+        from pagectl.bench.peers import load_hf_model
+
+        hf_model = load_hf_model(model, "float32" if args.dtype == "auto" else args.dtype)
+    # Forward limit and static batches before continuous batching, which swaps the model's
+    # attention implementation while it runs.
+    for peer in [p for p in ("forward", "hf-static", "hf-cb") if p in peers]:
+        results.append(_run_peer(peer, hf_model, workload, args, budget))
+    del hf_model
+    gc.collect()
+
+    report = build_report(spec, model, results, {"torch_threads": torch.get_num_threads()})
+    print(format_header(spec, model, torch.get_num_threads()))
+    print(render_table(results))
+    print(render_targets(report))
+    if args.json:
+        print(dumps(report))
+    return 0
+
+
+def format_header(spec: WorkloadSpec, model: str, threads: int) -> str:
+    return (
+        f"model: {model}\nworkload: {spec.num_requests} requests, prompts {spec.min_input_len}-"
+        f"{spec.max_input_len} tokens, outputs {spec.min_output_len}-{spec.max_output_len} tokens, "
+        f"seed {spec.seed}, ignore_eos; torch threads: {threads}"
+    )
+
+
+def _run_pagectl_engine(
+    args: argparse.Namespace, model: str, workload: list[BenchRequest]
+) -> EngineResult:
+    from pagectl.cli.generate import engine_kwargs
+
+    kw = engine_kwargs(args)
+    kw["model"] = model
+    try:
+        from pagectl.engine.llm import LLM
+
+        log("pagectl: building the engine ...")
+        with LLM(**kw) as llm:
+            log("pagectl: running ...")
+            res = run_pagectl(llm, workload, args.temperature)
+    except (ImportError, ModuleNotFoundError) as e:
+        return EngineResult(
+            "pagectl", "pagectl (LLM.generate)", len(workload), error=f"engine unavailable: {e}"
+        )
+    log(f"pagectl: {res.tokens_per_s:.1f} useful tok/s")
+    return res
+
+
+def _run_peer(
+    peer: str, model: Any, workload: list[BenchRequest], args: argparse.Namespace, budget: int
+) -> EngineResult:
+    from pagectl.bench import peers as hf
+
+    log(f"{peer}: running ...")
+    try:
+        if peer == "forward":
+            res = hf.forward_limit(model, args.forward_seq_len)
+        elif peer == "hf-static":
+            res = hf.run_hf_static_batches(
+                model, workload, batch_size=args.hf_batch_size, temperature=args.temperature
+            )
+        else:
+            res = hf.run_hf_continuous_batching(
+                model,
+                workload,
+                temperature=args.temperature,
+                max_batch_tokens=budget,
+                page_size=args.hf_page_size,
+            )
+    except Exception as e:  # a peer that breaks is reported, not fatal to the comparison
+        return EngineResult(peer, peer, len(workload), error=f"{type(e).__name__}: {e}")
+    tps = res.tokens_per_s
+    log(f"{peer}: {tps:.1f} tok/s" if tps is not None else f"{peer}: {res.error}")
+    return res
