@@ -1,0 +1,82 @@
+"""Serving one control request: token check, decoding, applying, typed reply.
+
+Runs on the engine loop thread between two steps, so ``EngineCore.apply_command`` never
+races a step. Whatever a client sends, the answer is a ``ControlReply``; nothing a client
+sends can raise out of here and stop the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import msgspec
+
+from pagectl.admin.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo
+from pagectl.engine.commands import Command, CommandError
+
+_command_decoder = msgspec.msgpack.Decoder(Command)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _Envelope(msgspec.Struct, kw_only=True):
+    """A ControlRequest with the command left undecoded: the token is checked first, so an
+    unauthorized client learns nothing about which commands exist."""
+
+    id: int
+    token: str
+    client: str = ""
+    command: msgspec.Raw
+    version: int = PROTOCOL_VERSION
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def _error(req_id: int, kind: str, message: str) -> bytes:
+    return _encoder.encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
+
+
+def _guess_id(frame: bytes) -> int:
+    """The request id of a malformed request, when it can be read at all (else 0)."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return 0
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+
+
+def handle_control(core: Any, token: str, frame: bytes) -> tuple[bytes, bool]:
+    """Serve one request frame. Returns (reply frame, whether engine state may have changed)."""
+    try:
+        env = _envelope_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return _error(_guess_id(frame), "bad_request", f"malformed control request: {e}"), False
+    if not hmac.compare_digest(env.token.encode(), token.encode()):
+        return _error(env.id, "unauthorized", "wrong or missing control token"), False
+    if env.version != PROTOCOL_VERSION:
+        return _error(
+            env.id,
+            "bad_request",
+            f"protocol version {env.version} is not supported (daemon speaks {PROTOCOL_VERSION})",
+        ), False
+    try:
+        cmd = _command_decoder.decode(env.command)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        kind = "unknown_command" if "tag" in msg.lower() else "bad_request"
+        return _error(env.id, kind, f"invalid command: {msg}"), False
+    except msgspec.DecodeError as e:
+        return _error(env.id, "bad_request", f"invalid command: {e}"), False
+    try:
+        result = core.apply_command(cmd, env.client)
+    except CommandError as e:
+        return _error(env.id, e.kind, e.message), False
+    except Exception as e:  # a bug in one command must not take the engine down
+        return _error(env.id, "internal", f"{type(e).__name__}: {e}"), False
+    try:
+        reply = _encoder.encode(ControlReply(id=env.id, ok=True, result=result))
+    except (TypeError, msgspec.EncodeError) as e:
+        return _error(env.id, "internal", f"result not encodable: {e}"), True
+    return reply, True

@@ -1,0 +1,184 @@
+"""``pagectl daemon``: run the API server, the engine process and the admin channel.
+
+Life cycle:
+1. Create this daemon's 0700 directory under the runtime dir and the 0600 control token.
+2. Start the app: its cleanup_ctx spawns the engine process and waits for the handshake.
+3. Listen on HTTP, then write the runtime file (so finders only see a daemon that serves).
+4. Until SIGTERM/SIGINT: serve. If the engine dies, in-flight requests get an error,
+   /health answers 503 for a short grace period, and the daemon exits 1.
+5. On SIGTERM/SIGINT: drain. New requests get 503; in-flight ones run to completion for at
+   most ``drain_timeout`` seconds, then are aborted; the engine is shut down and the daemon
+   exits 0. A second signal skips the rest of the drain.
+Every exit path removes the runtime directory and leaves no child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pagectl.admin.app import STATE, ServerSettings, create_app
+from pagectl.admin.engine_client import EngineClient, EngineStartError
+from pagectl.admin.engine_proc import EngineProcConfig
+from pagectl.admin.protocol import RuntimeInfo
+from pagectl.admin.runtime import DaemonDir, loopback_only
+from pagectl.engine.args import EngineArgs
+
+log = logging.getLogger("pagectl.daemon")
+
+# Seconds /health keeps answering 503 after the engine died, before the daemon exits.
+DEAD_GRACE_S = 1.5
+# Seconds handlers get to answer after an aborted drain, before connections are closed.
+ABORT_GRACE_S = 3.0
+
+
+@dataclass
+class DaemonOptions:
+    engine_args: EngineArgs
+    server: ServerSettings
+    host: str = "127.0.0.1"
+    port: int = 8000
+    runtime_dir: str | None = None
+    # Admin endpoints (default: ipc:// sockets in the daemon's directory).
+    telemetry_endpoint: str | None = None
+    control_endpoint: str | None = None
+    # "module:function" replacing the engine builder (tests).
+    engine_factory: str | None = None
+    drain_timeout: float = 30.0
+    telemetry_hz: float = 10.0
+
+
+def _say(msg: str) -> None:
+    print(f"pagectl daemon: {msg}", file=sys.stderr, flush=True)
+
+
+class _Lifecycle:
+    """Signals and engine death -> one stop event and the exit status."""
+
+    def __init__(self, state, engine: EngineClient, drain_timeout: float) -> None:
+        self.state = state
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+
+    def on_signal(self, signame: str) -> None:
+        if self._drain_task is None:
+            _say(f"{signame} received: draining (a second signal stops at once)")
+            self._drain_task = asyncio.create_task(self._drain())
+        else:
+            _say(f"{signame} received again: stopping now")
+            self.stop.set()
+
+    def on_engine_dead(self, reason: str) -> None:
+        _say(f"engine died: {reason}; exiting")
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(DEAD_GRACE_S, self.stop.set)
+
+    async def _drain(self) -> None:
+        state = self.state
+        state.draining = True
+        self.engine.set_draining(True)
+        try:
+            await asyncio.wait_for(state.idle.wait(), self.drain_timeout)
+        except asyncio.TimeoutError:
+            _say(f"drain timeout ({self.drain_timeout:g}s): aborting {state.num_active} requests")
+            self.engine.abort_all()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)
+        self.stop.set()
+
+
+async def serve(opts: DaemonOptions) -> int:
+    """Run the daemon until it is stopped; returns the exit status."""
+    ddir = DaemonDir(opts.runtime_dir)
+    try:
+        tel = opts.telemetry_endpoint or ddir.endpoint("telemetry")
+        ctl = opts.control_endpoint or ddir.endpoint("control")
+        loopback_only(tel)
+        loopback_only(ctl)
+        ddir.create_token()
+        engine = EngineClient(
+            EngineProcConfig(
+                engine_args=dataclasses.asdict(opts.engine_args),
+                engine_factory=opts.engine_factory,
+                input_endpoint="",
+                output_endpoint="",
+                telemetry_endpoint=tel,
+                control_endpoint=ctl,
+                token_file=str(ddir.token_file),
+                telemetry_hz=opts.telemetry_hz,
+            ),
+            input_endpoint=ddir.endpoint("engine-in"),
+            output_endpoint=ddir.endpoint("engine-out"),
+        )
+        app = create_app(opts.server, engine)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
+        )
+        try:
+            await runner.setup()
+        except EngineStartError as e:
+            _say(f"the engine failed to start: {e}")
+            await engine.shutdown(5.0)
+            return 1
+        try:
+            return await _run(opts, ddir, app, runner, engine)
+        finally:
+            await runner.cleanup()
+    finally:
+        ddir.remove()
+
+
+async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: EngineClient) -> int:
+    state = app[STATE]
+    life = _Lifecycle(state, engine, opts.drain_timeout)
+    engine.on_dead.append(life.on_engine_dead)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, life.on_signal, sig.name)
+    site = web.TCPSite(runner, opts.host, opts.port, shutdown_timeout=ABORT_GRACE_S)
+    try:
+        await site.start()
+    except OSError as e:
+        _say(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
+        return 1
+    port = runner.addresses[0][1] if runner.addresses else opts.port
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    url = f"http://{host}:{port}"
+    ready = state.ready
+    ddir.write_runtime(
+        RuntimeInfo(
+            pid=os.getpid(),
+            start_time=time.time(),
+            model=state.facts.served_model_name,
+            http_url=url,
+            telemetry_endpoint=ready.telemetry_endpoint,
+            control_endpoint=ready.control_endpoint,
+            token_file=str(ddir.token_file),
+        )
+    )
+    _say(f"serving {state.facts.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
+    if engine.dead is not None:  # died between handshake and now
+        life.on_engine_dead(engine.dead)
+    await life.stop.wait()
+    with contextlib.suppress(OSError):
+        ddir.runtime_file.unlink()  # finders stop seeing us before the slow part of exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    return life.exit_code
+
+
+def run(opts: DaemonOptions) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(opts))

@@ -1,0 +1,213 @@
+"""The engine process's loop: one thread owns the EngineCore and every socket.
+
+Each turn: read what the API server sent (new requests, aborts, stop strings), serve queued
+control requests, run one ``EngineCore.step()`` when there is work, and publish telemetry
+when due. Control commands are therefore applied between steps, never inside one.
+
+Invariants:
+- Nothing a client or the API server sends can raise out of the loop: a bad request fails
+  alone (``RequestFailed``), a bad control request gets an error reply.
+- Publishing never blocks: PUB drops when its small high-water mark is reached, and every
+  send uses NOBLOCK. A slow or dead console cannot slow the engine.
+- An exception inside ``step()`` is fatal: the engine reports ``dead`` (to the API server
+  and in a last snapshot) and the loop returns non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagectl.admin import wire
+from pagectl.admin.control import handle_control
+from pagectl.engine.telemetry import encode_snapshot
+
+# At most this many messages of each kind are taken per turn, so a flood of requests or
+# control messages cannot starve the step.
+_MAX_MESSAGES_PER_TURN = 256
+
+
+def engine_stats(core: Any) -> wire.EngineStats:
+    """The compact figures the API server needs for /metrics."""
+    sched = core.scheduler
+    pool = sched.kv.pool
+    return wire.EngineStats(
+        engine_state=core.engine_state(),
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        num_blocks=pool.num_blocks,
+        num_used_blocks=pool.num_used_blocks,
+        num_cached_free_blocks=pool.num_cached_free_blocks,
+        num_token_slots=pool.num_blocks * pool.block_size,
+        num_used_token_slots=core._used_token_slots(),
+        counters=sched.counters,
+        config=sched.live_config(),
+    )
+
+
+class EngineLoop:
+    """Drives an ``EngineCore`` from ZMQ sockets (see module docstring).
+
+    Args:
+        core: the EngineCore.
+        input_sock: PULL, ``wire.ToEngine`` frames from the API server.
+        output_sock: PUSH, ``wire.FromEngine`` frames to the API server.
+        pub_sock: PUB, telemetry snapshots (one frame each).
+        control_sock: ROUTER, ``protocol.ControlRequest`` frames.
+        token: the control token.
+        telemetry_interval: seconds between snapshots (and stats messages).
+        stop_event: set by another thread (parent death) to make the loop return.
+    """
+
+    def __init__(
+        self,
+        core: Any,
+        *,
+        input_sock: zmq.Socket,
+        output_sock: zmq.Socket,
+        pub_sock: zmq.Socket | None,
+        control_sock: zmq.Socket | None,
+        token: str,
+        telemetry_interval: float = 0.1,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.core = core
+        self.input_sock = input_sock
+        self.output_sock = output_sock
+        self.pub_sock = pub_sock
+        self.control_sock = control_sock
+        self.token = token
+        self.telemetry_interval = telemetry_interval
+        self.stop_event = stop_event or threading.Event()
+        self._next_publish = 0.0
+        self._shutdown = False
+        self.poller = zmq.Poller()
+        self.poller.register(input_sock, zmq.POLLIN)
+        if control_sock is not None:
+            self.poller.register(control_sock, zmq.POLLIN)
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        # PUSH to the API server blocks while its queue is full (back-pressure on a live
+        # reader). The socket has a send timeout, so a gone API server (stop_event set by the
+        # parent watcher) cannot hold the loop: the message is dropped and the loop ends.
+        data = wire.encode(msg)
+        while True:
+            try:
+                self.output_sock.send(data)
+                return
+            except zmq.Again:
+                if self.stop_event.is_set():
+                    return
+
+    def publish(self) -> None:
+        core = self.core
+        if self.pub_sock is not None:
+            with contextlib.suppress(zmq.Again):
+                self.pub_sock.send(encode_snapshot(core.snapshot()), zmq.NOBLOCK)
+        self._send(engine_stats(core))
+        self._next_publish = time.monotonic() + self.telemetry_interval
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def _handle_input(self, frame: bytes) -> None:
+        try:
+            msg = wire.decode_to_engine(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # only our own API server writes here; a garbled frame is dropped
+        core = self.core
+        if isinstance(msg, wire.SubmitRequest):
+            rid = msg.request.request_id
+            try:
+                core.add_engine_request(msg.request)
+            except Exception as e:  # any refusal fails this request only
+                self._send(wire.RequestFailed(rid, str(e) or type(e).__name__))
+        elif isinstance(msg, wire.AbortRequests):
+            for rid in msg.request_ids:
+                core.abort_request(rid)
+        elif isinstance(msg, wire.FinishStopString):
+            core.scheduler.finish_by_stop_string(msg.request_id, msg.index, msg.stop)
+        elif isinstance(msg, wire.SetDraining):
+            core.state_override = "draining" if msg.draining else None
+            self._next_publish = 0.0
+        elif isinstance(msg, wire.Shutdown):
+            self._shutdown = True
+
+    def _drain_inputs(self) -> None:
+        for _ in range(_MAX_MESSAGES_PER_TURN):
+            try:
+                frame = self.input_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle_input(frame)
+            if self._shutdown:
+                return
+
+    def _serve_control(self) -> None:
+        sock = self.control_sock
+        if sock is None:
+            return
+        for _ in range(_MAX_MESSAGES_PER_TURN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue  # a DEALER sends exactly one frame; ROUTER adds the identity
+            ident, frame = frames
+            reply, changed = handle_control(self.core, self.token, frame)
+            # A client that left, or whose queue is full, loses its reply.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([ident, reply], zmq.NOBLOCK)
+            if changed:
+                self._next_publish = 0.0  # consoles see the change at once
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Loop until Shutdown (returns 0), parent death (0) or a fatal step error (1)."""
+        core = self.core
+        while not self._shutdown and not self.stop_event.is_set():
+            busy = core.has_unfinished()
+            if busy:
+                timeout_ms = 0
+            else:
+                wait = self._next_publish - time.monotonic()
+                timeout_ms = int(min(max(wait, 0.0), 0.1) * 1000)
+            if timeout_ms == 0:
+                # Nothing to wait for: peek without blocking.
+                events = self.poller.poll(0)
+            else:
+                events = self.poller.poll(timeout_ms)
+            if events:
+                self._drain_inputs()
+                self._serve_control()
+            if self._shutdown:
+                break
+            if core.has_unfinished():
+                try:
+                    outputs = core.step()
+                except Exception as e:  # fatal: report and stop
+                    return self._die(e)
+                if outputs:
+                    self._send(wire.OutputBatch(outputs))
+            if time.monotonic() >= self._next_publish:
+                self.publish()
+        return 0
+
+    def _die(self, exc: BaseException) -> int:
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        self.core.state_override = "dead"
+        self.core.scheduler.add_event("error", message)
+        with contextlib.suppress(Exception):  # best effort while dying
+            self.publish()
+        self._send(wire.EngineDead(message))
+        return 1

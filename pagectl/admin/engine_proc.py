@@ -1,0 +1,186 @@
+"""The engine-core process: ``python -m pagectl.admin.engine_proc``, started by the daemon.
+
+The parent writes one JSON line (``EngineProcConfig``) to our stdin and keeps the pipe open
+for as long as it lives. End of file on stdin means the parent is gone: the loop stops and
+the process exits by itself (forcibly after ``_ORPHAN_GRACE_S`` if a step hangs).
+
+SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and shutting the
+engine down is the daemon's job (it drains first, then sends ``Shutdown``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagectl.admin import wire
+from pagectl.admin.runtime import read_token
+
+_ORPHAN_GRACE_S = 5.0
+# Small on purpose: a console that falls behind loses snapshots, the engine never waits.
+TELEMETRY_SNDHWM = 2
+
+
+class EngineProcConfig(msgspec.Struct, kw_only=True):
+    """What the daemon tells its engine process (JSON, one line on stdin)."""
+
+    # ``EngineArgs`` fields.
+    engine_args: dict[str, Any]
+    # "module:function" building the engine from EngineArgs instead of
+    # ``pagectl.engine.builder.build_engine`` (tests use it for fault injection).
+    engine_factory: str | None = None
+    # Internal sockets, bound by the API server.
+    input_endpoint: str
+    output_endpoint: str
+    # Admin sockets, bound here.
+    telemetry_endpoint: str
+    control_endpoint: str
+    token_file: str
+    telemetry_hz: float = 10.0
+
+
+def _read_line(fd: int) -> bytes:
+    # Raw reads, never sys.stdin: the watcher thread below must not hold the buffered
+    # reader's lock when the interpreter shuts down.
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    stop.set()
+    time.sleep(_ORPHAN_GRACE_S)
+    os._exit(1)  # the loop did not stop in time (a hung step): leave anyway
+
+
+def _load_factory(spec: str | None):
+    if not spec:
+        from pagectl.engine.builder import build_engine
+
+        return build_engine
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket file of a crashed daemon with our pid
+    sock.bind(endpoint)
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return bound.decode() if isinstance(bound, bytes) else str(bound)
+
+
+def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
+    from pagectl.admin.engine_loop import EngineLoop
+    from pagectl.engine.args import EngineArgs
+
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDTIMEO, 500)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(cfg.output_endpoint)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(cfg.input_endpoint)
+
+    def send(msg: msgspec.Struct) -> None:
+        while not stop.is_set():
+            try:
+                out.send(wire.encode(msg))
+                return
+            except zmq.Again:
+                continue
+
+    built = None
+    pub = router = None
+    try:
+        try:
+            token = read_token(cfg.token_file)
+            if not token:
+                raise RuntimeError(f"cannot read the control token from {cfg.token_file}")
+            args = EngineArgs(**cfg.engine_args)
+            built = _load_factory(cfg.engine_factory)(args)
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
+            pub.setsockopt(zmq.LINGER, 0)
+            telemetry_ep = _bind(pub, cfg.telemetry_endpoint)
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            control_ep = _bind(router, cfg.control_endpoint)
+        except Exception as e:  # report any start-up failure to the daemon
+            traceback.print_exc()
+            send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))
+            return 1
+        core = built.core
+        has_tok = built.tokenizer is not None
+        send(
+            wire.EngineReady(
+                pid=os.getpid(),
+                model_name=built.model_name,
+                model_path=str(built.model_path),
+                tokenizer_path=(args.tokenizer or str(built.model_path)) if has_tok else None,
+                vocab_size=built.vocab_size,
+                max_model_len=built.max_model_len,
+                eos_token_ids=list(built.eos_token_ids),
+                model_info=core.model_info,
+                config=core.scheduler.live_config(),
+                telemetry_endpoint=telemetry_ep,
+                control_endpoint=control_ep,
+            )
+        )
+        loop = EngineLoop(
+            core,
+            input_sock=inp,
+            output_sock=out,
+            pub_sock=pub,
+            control_sock=router,
+            token=token,
+            telemetry_interval=1.0 / cfg.telemetry_hz,
+            stop_event=stop,
+        )
+        return loop.run()
+    finally:
+        if built is not None:
+            try:
+                built.shutdown()
+            except Exception:  # still close the sockets
+                traceback.print_exc()
+        for s in (pub, router, inp):
+            if s is not None:
+                s.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    line = _read_line(0)
+    if not line:
+        return 1
+    cfg = msgspec.json.decode(line, type=EngineProcConfig)
+    stop = threading.Event()
+    threading.Thread(target=_watch_parent, args=(stop,), name="parent-watch", daemon=True).start()
+    return serve(cfg, stop)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,291 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: non-streaming and SSE.
+
+Streaming sends one event per engine output (one token per sequence per step), so clients can
+measure inter-token latency; each choice gets exactly one chunk with a finish_reason. The
+response starts only with the first output, so a request the engine refuses still gets a
+plain HTTP error. An error after the stream started is sent as an ``{"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pagectl.admin.app import STATE, ServerState, read_body
+from pagectl.admin.engine_client import EngineDeadError, EngineError, RequestRejected
+from pagectl.admin.errors import APIError, error_body
+from pagectl.admin.formatting import (
+    chat_logprobs,
+    completion_logprobs,
+    send_done,
+    send_event,
+    start_sse,
+)
+from pagectl.admin.serving import Generation, Update
+from pagectl.admin.validation import GenerationSpec, parse_chat, parse_completion
+
+_json = msgspec.json.Encoder()
+
+
+def _api_error(e: EngineError) -> APIError:
+    if isinstance(e, RequestRejected):
+        return APIError(400, str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", code="engine_dead")
+    return APIError(500, str(e), code="engine_error")
+
+
+def _json_response(obj: Any) -> web.Response:
+    return web.Response(body=_json.encode(obj), content_type="application/json")
+
+
+class _Format:
+    """Response shapes of one endpoint."""
+
+    prefix = ""
+    obj = ""
+    chunk_obj = ""
+
+    def __init__(self, state: ServerState, spec: GenerationSpec, gen: Generation) -> None:
+        self.state = state
+        self.spec = spec
+        self.gen = gen
+        self.model = state.facts.served_model_name
+
+    def envelope(self, obj: str, choices: list) -> dict[str, Any]:
+        return {
+            "id": self.gen.request_id,
+            "object": obj,
+            "created": self.gen.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choices: list) -> dict[str, Any]:
+        out = self.envelope(self.chunk_obj, choices)
+        if self.spec.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        out = self.envelope(self.chunk_obj, [])
+        out["usage"] = self.gen.usage()
+        return out
+
+    def full(self) -> dict[str, Any]:
+        out = self.envelope(self.obj, self.choices())
+        out["usage"] = self.gen.usage()
+        return out
+
+    def opening(self) -> list[dict]:
+        """Chunks sent once when the stream starts."""
+        return []
+
+    def choices(self) -> list[dict]:
+        raise NotImplementedError
+
+    def update(self, upd: Update) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    prefix = "cmpl"
+    obj = "text_completion"
+    chunk_obj = "text_completion"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        # Text offset reached by each choice's streamed text (for logprobs.text_offset).
+        self.offsets = [0] * len(self.gen.choices)
+
+    def _prompt_text(self, c) -> str:
+        p = c.run.prompt
+        if p.text is not None:
+            return p.text
+        tok = self.state.facts.tokenizer
+        return tok.decode(p.token_ids) if tok is not None else ""
+
+    def choices(self) -> list[dict]:
+        out = []
+        tt = self.state.token_text
+        for c in self.gen.choices:
+            text = c.detok.text
+            lp = None
+            if self.spec.echo:
+                prompt_text = self._prompt_text(c)
+                text = prompt_text + text
+            if self.spec.logprobs is not None:
+                ids: list[int] = []
+                lps: list = []
+                if self.spec.echo:
+                    p_ids = c.run.prompt.token_ids
+                    p_lps = c.run.prompt_logprobs
+                    ids = list(p_ids)
+                    lps = [None] + [
+                        p_lps[i - 1] if i - 1 < len(p_lps) else None for i in range(1, len(p_ids))
+                    ]
+                ids += c.token_ids
+                lps += c.logprobs
+                lp = completion_logprobs(ids, lps, tt, 0)
+            out.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return out
+
+    def opening(self) -> list[dict]:
+        if not self.spec.echo:
+            return []
+        chunks = []
+        for c in self.gen.choices:
+            text = self._prompt_text(c)
+            self.offsets[c.index] = len(text)
+            chunks.append(
+                self.chunk(
+                    [{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}]
+                )
+            )
+        return chunks
+
+    def update(self, upd: Update) -> dict:
+        c = upd.choice
+        lp = None
+        if self.spec.logprobs is not None and upd.logprobs:
+            lp = completion_logprobs(
+                upd.token_ids, upd.logprobs, self.state.token_text, self.offsets[c.index]
+            )
+            self.offsets[c.index] += sum(len(t) for t in lp["tokens"])
+        choice = {
+            "index": c.index,
+            "text": upd.text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason if upd.finished else None,
+        }
+        if upd.finished:
+            choice["stop_reason"] = c.stop_reason
+        return self.chunk([choice])
+
+
+class _ChatFormat(_Format):
+    prefix = "chatcmpl"
+    obj = "chat.completion"
+    chunk_obj = "chat.completion.chunk"
+
+    def _logprobs(self, ids: list[int], lps: list) -> dict | None:
+        if self.spec.logprobs is None:
+            return None
+        return chat_logprobs(ids, lps, self.state.token_text, self.spec.logprobs)
+
+    def choices(self) -> list[dict]:
+        return [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.detok.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.gen.choices
+        ]
+
+    def opening(self) -> list[dict]:
+        return [
+            self.chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for c in self.gen.choices
+        ]
+
+    def update(self, upd: Update) -> dict:
+        c = upd.choice
+        delta = {"content": upd.text} if (upd.text or not upd.finished) else {}
+        lp = self._logprobs(upd.token_ids, upd.logprobs) if upd.logprobs else None
+        choice = {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason if upd.finished else None,
+        }
+        if upd.finished:
+            choice["stop_reason"] = c.stop_reason
+        return self.chunk([choice])
+
+
+async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
+    gen = fmt.gen
+    resp: web.StreamResponse | None = None
+    try:
+        async for upd in gen.updates():
+            if resp is None:
+                resp = await start_sse(request)
+                for chunk in fmt.opening():
+                    await send_event(resp, chunk)
+            await send_event(resp, fmt.update(upd))
+    except EngineError as e:
+        if resp is None:
+            raise
+        err = _api_error(e)
+        await send_event(resp, error_body(err.message, err.type, err.param, err.code))
+        await send_done(resp)
+        return resp
+    if resp is None:
+        resp = await start_sse(request)
+    if fmt.spec.include_usage:
+        await send_event(resp, fmt.usage_chunk())
+    await send_done(resp)
+    return resp
+
+
+async def _generate(
+    request: web.Request, spec: GenerationSpec, fmt_cls: type[_Format]
+) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.check_admission()
+    gen = Generation(
+        state.engine,
+        state.facts.tokenizer,
+        spec,
+        f"{fmt_cls.prefix}-{uuid.uuid4().hex}",
+        state.metrics,
+    )
+    fmt = fmt_cls(state, spec, gen)
+    state.begin()
+    try:
+        gen.submit()
+        if spec.stream:
+            return await _stream(request, fmt)
+        await gen.run_to_end()
+        return _json_response(fmt.full())
+    except EngineError as e:
+        raise _api_error(e) from None
+    finally:
+        # Also on client disconnect (the handler is cancelled): the engine frees the blocks.
+        gen.close()
+        state.end()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    spec = parse_completion(body, request.app[STATE].facts)
+    return await _generate(request, spec, _CompletionFormat)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    spec = parse_chat(body, request.app[STATE].facts)
+    return await _generate(request, spec, _ChatFormat)

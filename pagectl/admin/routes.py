@@ -1,0 +1,105 @@
+"""Route table, and the small endpoints: models, health, version, tokenize, metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagectl import __version__
+from pagectl.admin.app import STATE, read_body
+from pagectl.admin.errors import APIError, bad_request
+from pagectl.admin.openai_api import chat_completions, completions
+from pagectl.admin.validation import (
+    check_model,
+    get_bool,
+    parse_messages,
+    parse_prompts,
+    render_chat,
+)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    facts = state.facts
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": facts.served_model_name,
+                    "object": "model",
+                    "created": int(state.start_time),
+                    "owned_by": "pagectl",
+                    "root": state.ready.model_path,
+                    "parent": None,
+                    "max_model_len": facts.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while serving; 503 while draining or when the engine is dead."""
+    state = request.app[STATE]
+    if state.engine.dead is not None:
+        raise APIError(503, f"the engine is not running: {state.engine.dead}", code="engine_dead")
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
+    facts = request.app[STATE].facts
+    body = await read_body(request)
+    check_model(body, facts)
+    if facts.tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    if "messages" in body:
+        ids = render_chat(parse_messages(body["messages"]), facts, body).token_ids
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string", "prompt")
+        add_special = get_bool(body, "add_special_tokens", True)
+        ids = list(facts.tokenizer.encode(prompt, add_special_tokens=add_special))
+    return web.json_response(
+        {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``{"tokens": [int]}`` -> ``{"prompt": text}``."""
+    facts = request.app[STATE].facts
+    body = await read_body(request)
+    check_model(body, facts)
+    if facts.tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad_request("tokens must be a list of token ids", "tokens")
+    ids = parse_prompts(tokens, facts)[0].token_ids if tokens else []
+    return web.json_response({"prompt": facts.tokenizer.decode(ids)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)

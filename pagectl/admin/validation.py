@@ -1,0 +1,408 @@
+"""Request validation for the OpenAI-compatible API: everything is checked here, in the API
+server, before anything reaches the engine.
+
+``parse_json`` refuses what Python's JSON parser would let through (NaN, Infinity, numbers
+that overflow to infinity); ``parse_completion`` / ``parse_chat`` turn a body into a
+``GenerationSpec`` or raise ``APIError`` (400 / 404) naming the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagectl.admin.errors import APIError, bad_request
+from pagectl.engine.sampling_params import SamplingParams
+from pagectl.engine.tokenizer import apply_chat_template
+
+# Most prompts in one completions request, and most messages in one chat request.
+MAX_PROMPTS = 256
+MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ModelFacts:
+    """What the API server knows about the served model (from the engine handshake)."""
+
+    served_model_name: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any | None
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    # The prompt as text when it was sent (or rendered) as text; for echo.
+    text: str | None = None
+
+
+@dataclass
+class GenerationSpec:
+    """A validated generation request."""
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    # Completions: top-k logprobs per token (None: off). Chat: top_logprobs when logprobs.
+    logprobs: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object. NaN, Infinity and overflowing numbers are refused."""
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# -- field readers ------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: Any = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
+    return v
+
+
+def get_number(body: dict, name: str, default: Any = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{name} must be true or false, got {json.dumps(v)}", name)
+    return v
+
+
+def get_str(body: dict, name: str, default: Any = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad_request(f"{name} must be a string, got {json.dumps(v)}", name)
+    return v
+
+
+def check_model(body: dict, facts: ModelFacts) -> None:
+    """404 for a model this daemon does not serve (a missing model means the served one)."""
+    model = get_str(body, "model")
+    if model is not None and model != facts.served_model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This daemon serves `{facts.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+# -- sampling -----------------------------------------------------------------------------
+
+_NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("n", "top_k", "seed", "min_tokens")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _sampling_kwargs(body: dict) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for name in _NUMBER_FIELDS:
+        v = get_number(body, name)
+        if v is not None:
+            kw[name] = v
+    for name in _INT_FIELDS:
+        v = get_int(body, name)
+        if v is not None:
+            kw[name] = v
+    for name in _BOOL_FIELDS:
+        if body.get(name) is not None:
+            kw[name] = get_bool(body, name)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("stop must be a string or a list of strings", "stop")
+        kw["stop"] = stop
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+        kw["stop_token_ids"] = ids
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad_request("logit_bias must be an object of token id -> bias", "logit_bias")
+        kw["logit_bias"] = bias
+    return kw
+
+
+def _build_params(kw: dict[str, Any], vocab_size: int) -> SamplingParams:
+    try:
+        params = SamplingParams(**kw)
+        params.validate(vocab_size)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        first = msg.split(" ", 1)[0].split("[", 1)[0]
+        param = first if first in SamplingParams.__dataclass_fields__ else None
+        if first == "logit_bias":
+            param = "logit_bias"
+        raise bad_request(msg, param) from None
+    return params
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad_request(f"{name} are not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise bad_request('only response_format {"type": "text"} is supported', "response_format")
+
+
+def _common(body: dict, spec: GenerationSpec) -> None:
+    spec.stream = get_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+        spec.include_usage = spec.stream and get_bool(opts, "include_usage")
+    spec.priority = get_int(body, "priority", 0)
+    salt = get_str(body, "cache_salt")
+    if salt is not None and not salt:
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+    spec.cache_salt = salt
+    get_str(body, "user")
+
+
+def _check_context(
+    prompts: list[Prompt], max_tokens: int | None, facts: ModelFacts, param: str
+) -> None:
+    limit = facts.max_model_len
+    for p in prompts:
+        n = len(p.token_ids)
+        if max_tokens is None and n >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, the prompt "
+                f"has {n} tokens, leaving no room for the completion.",
+                param,
+            )
+        if max_tokens is not None and n + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.",
+                param,
+            )
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+
+def _token_prompt(ids: list, facts: ModelFacts) -> Prompt:
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    vocab = facts.vocab_size
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < vocab:
+            raise bad_request(
+                f"prompt token id {json.dumps(t)} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+    return Prompt(list(ids))
+
+
+def _text_prompt(text: str, facts: ModelFacts) -> Prompt:
+    if not text:
+        raise bad_request("the prompt is empty", "prompt")
+    tok = facts.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+    ids = list(tok.encode(text))
+    if not ids:
+        raise bad_request("the prompt is empty after tokenization", "prompt")
+    return Prompt(ids, text)
+
+
+def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if value is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(value, str):
+        return [_text_prompt(value, facts)]
+    shape_error = bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists",
+        "prompt",
+    )
+    if not isinstance(value, list):
+        raise shape_error
+    if not value:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(_is_int(t) for t in value):
+        return [_token_prompt(value, facts)]
+    if len(value) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    if all(isinstance(p, str) for p in value):
+        return [_text_prompt(p, facts) for p in value]
+    if all(isinstance(p, list) for p in value):
+        return [_token_prompt(p, facts) for p in value]
+    raise shape_error
+
+
+# -- endpoints ----------------------------------------------------------------------------
+
+
+def parse_completion(body: dict, facts: ModelFacts) -> GenerationSpec:
+    check_model(body, facts)
+    _check_unsupported(body)
+    prompts = parse_prompts(body.get("prompt"), facts)
+    kw = _sampling_kwargs(body)
+    kw["max_tokens"] = get_int(body, "max_tokens", 16)
+    echo = get_bool(body, "echo")
+    logprobs = get_int(body, "logprobs")
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+        if echo:
+            kw["prompt_logprobs"] = logprobs
+    params = _build_params(kw, facts.vocab_size)
+    spec = GenerationSpec(prompts, params, echo=echo, logprobs=logprobs)
+    _common(body, spec)
+    _check_context(prompts, params.max_tokens, facts, "prompt")
+    return spec
+
+
+def _message_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    f"messages[{i}]: only text content parts are supported", "messages"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"messages[{i}]: a text part needs a string `text`", "messages")
+            parts.append(text)
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise bad_request(f"at most {MAX_MESSAGES} messages per request", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
+                "messages",
+            )
+        msg = {"role": role, "content": _message_text(m.get("content"), i)}
+        name = m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def render_chat(messages: list[dict], facts: ModelFacts, body: dict) -> Prompt:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    kwargs = dict(kwargs)
+    kwargs["add_generation_prompt"] = get_bool(body, "add_generation_prompt", True)
+    try:
+        ids = apply_chat_template(facts.tokenizer, messages, **kwargs)
+    except Exception as e:  # a template error is the request's problem
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    if not ids:
+        raise bad_request("the rendered prompt is empty", "messages")
+    return Prompt(ids)
+
+
+def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
+    check_model(body, facts)
+    _check_unsupported(body)
+    messages = parse_messages(body.get("messages"))
+    kw = _sampling_kwargs(body)
+    max_tokens = get_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens")
+    kw["max_tokens"] = max_tokens
+    want_logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs")
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    params = _build_params(kw, facts.vocab_size)
+    prompt = render_chat(messages, facts, body)
+    spec = GenerationSpec([prompt], params, logprobs=logprobs)
+    _common(body, spec)
+    _check_context([prompt], params.max_tokens, facts, "messages")
+    return spec
