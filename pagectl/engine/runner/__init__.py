@@ -1,0 +1,1 @@
+"""Model runner: KV tensors, batch preparation, forward and sampling."""
