@@ -1,0 +1,1 @@
+"""Modal screens: confirmation, value prompt, help."""

@@ -1,0 +1,1 @@
+"""The console's panels, one widget per module."""

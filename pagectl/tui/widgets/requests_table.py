@@ -1,0 +1,160 @@
+"""The requests table: every waiting and running sequence, sortable by any column."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.widgets import DataTable
+
+from pagectl.engine.telemetry import RequestRow
+from pagectl.tui import fmt
+from pagectl.tui.blockmodel import seq_id
+
+STATE_STYLES = {"running": "#3fb950", "waiting": "#8b949e", "preempted": "bold #ff7b72"}
+_STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    label: str
+    # Sort key; cells are right-aligned numbers unless ``text``.
+    sort: Callable[[RequestRow], object]
+    cell: Callable[[RequestRow], str]
+    text: bool = False
+
+
+def _blocks(r: RequestRow) -> str:
+    return f"{r.num_blocks - r.num_shared_blocks}/{r.num_shared_blocks}"
+
+
+def _cached(r: RequestRow) -> str:
+    return "—" if r.num_cached_tokens < 0 else fmt.count(r.num_cached_tokens)
+
+
+COLUMNS = (
+    Column("id", "request", lambda r: (r.request_id, r.index), seq_id, text=True),
+    Column("state", "state", lambda r: _STATE_ORDER.get(r.state, 9), lambda r: r.state, text=True),
+    Column("priority", "prio", lambda r: r.priority, lambda r: str(r.priority)),
+    Column(
+        "prompt", "prompt", lambda r: r.num_prompt_tokens, lambda r: fmt.count(r.num_prompt_tokens)
+    ),
+    Column(
+        "output", "output", lambda r: r.num_output_tokens, lambda r: fmt.count(r.num_output_tokens)
+    ),
+    Column(
+        "computed",
+        "computed",
+        lambda r: r.num_computed_tokens,
+        lambda r: fmt.count(r.num_computed_tokens),
+    ),
+    Column("cached", "cached", lambda r: r.num_cached_tokens, _cached),
+    Column("blocks", "blocks own/shr", lambda r: (r.num_blocks, r.num_shared_blocks), _blocks),
+    Column("preemptions", "preempt", lambda r: r.num_preemptions, lambda r: str(r.num_preemptions)),
+    Column("age", "age", lambda r: r.age_s, lambda r: fmt.duration(r.age_s)),
+)
+COLUMN_KEYS = tuple(c.key for c in COLUMNS)
+_BY_KEY = {c.key: c for c in COLUMNS}
+
+
+def _cell(col: Column, r: RequestRow) -> Text:
+    value = col.cell(r)
+    if col.key == "state":
+        return Text(value, style=STATE_STYLES.get(value, ""))
+    if col.key == "preemptions" and r.num_preemptions:
+        return Text(value, style="bold #ff7b72", justify="right")
+    return Text(value, justify="left" if col.text else "right")
+
+
+def sort_rows(rows: Sequence[RequestRow], column: str | None, reverse: bool) -> list[RequestRow]:
+    """Rows in the daemon's service order (``column`` None) or sorted by a column."""
+    if column is None:
+        return list(reversed(rows)) if reverse else list(rows)
+    return sorted(rows, key=_BY_KEY[column].sort, reverse=reverse)
+
+
+class RequestsTable(DataTable):
+    """A ``DataTable`` of ``RequestRow``s keyed by sequence id; the cursor follows its row."""
+
+    BINDINGS = [
+        Binding("s", "cycle_sort", "Sort", id="pagectl.requests.sort"),
+        Binding("S", "reverse_sort", "Reverse", show=False, id="pagectl.requests.reverse"),
+    ]
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes, cursor_type="row", zebra_stripes=True)
+        # Column key sorted on (None: service order) and direction.
+        self.sort_column: str | None = None
+        self.sort_reverse = False
+        self.rows_by_id: dict[str, RequestRow] = {}
+        self._order: list[str] = []
+        self._raw: list[RequestRow] = []
+
+    def on_mount(self) -> None:
+        for col in COLUMNS:
+            self.add_column(col.label, key=col.key)
+
+    @property
+    def selected(self) -> RequestRow | None:
+        """The row under the cursor."""
+        if not self._order or not 0 <= self.cursor_row < len(self._order):
+            return None
+        return self.rows_by_id.get(self._order[self.cursor_row])
+
+    def show_rows(self, rows: Sequence[RequestRow]) -> None:
+        self._raw = list(rows)
+        ordered = sort_rows(rows, self.sort_column, self.sort_reverse)
+        keys = [seq_id(r) for r in ordered]
+        old = self.rows_by_id
+        self.rows_by_id = dict(zip(keys, ordered, strict=True))
+        if keys == self._order:
+            for key, r in zip(keys, ordered, strict=True):
+                prev = old.get(key)
+                for col in COLUMNS:
+                    if prev is None or col.cell(prev) != col.cell(r):
+                        self.update_cell(key, col.key, _cell(col, r))
+        else:
+            current = self.selected
+            self.clear()
+            for key, r in zip(keys, ordered, strict=True):
+                self.add_row(*(_cell(col, r) for col in COLUMNS), key=key)
+            self._order = keys
+            if current is not None and seq_id(current) in self.rows_by_id:
+                self.move_cursor(row=keys.index(seq_id(current)), animate=False)
+        self._update_title()
+
+    def _update_title(self) -> None:
+        states = [r.state for r in self._raw]
+        running = states.count("running")
+        waiting = len(states) - running
+        order = (
+            "service order" if self.sort_column is None else f"by {_BY_KEY[self.sort_column].label}"
+        )
+        arrow = " ↓" if self.sort_reverse else ""
+        self.border_title = f"Requests · {running} running · {waiting} waiting · {order}{arrow}"
+
+    def sort_by(self, column: str | None, reverse: bool = False) -> None:
+        self.sort_column = column
+        self.sort_reverse = reverse
+        self._order = []  # force a rebuild in the new order
+        self.show_rows(self._raw)
+
+    def action_cycle_sort(self) -> None:
+        keys: list[str | None] = [None, *COLUMN_KEYS]
+        nxt = keys[(keys.index(self.sort_column) + 1) % len(keys)]
+        # Numbers read best largest first; names and states in order.
+        self.sort_by(nxt, reverse=nxt not in (None, "id", "state"))
+
+    def action_reverse_sort(self) -> None:
+        self.sort_by(self.sort_column, not self.sort_reverse)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        key = str(event.column_key.value)
+        if key == self.sort_column:
+            self.sort_by(key, not self.sort_reverse)
+        else:
+            self.sort_by(key, reverse=key not in ("id", "state"))
