@@ -71,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf-page-size", type=int, default=256, help="page size of transformers' paged cache"
     )
+    p.add_argument(
+        "--hf-serve-pythonpath",
+        default=None,
+        help="directory prepended to PYTHONPATH for transformers serve only (its serving extras)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     add_engine_arguments(p)
     add_model_arguments(p)
@@ -237,7 +242,7 @@ def _run_transformers_serve(
 ) -> dict:
     from pagectl.bench import servers
 
-    why = servers.transformers_serve_available()
+    why = servers.transformers_serve_available(args.hf_serve_pythonpath)
     if why is not None:
         log(f"transformers serve skipped: {why}")
         return {"skipped": why}
@@ -248,7 +253,12 @@ def _run_transformers_serve(
     pages = sum(-(-(r.prompt_len + r.output_len) // args.hf_page_size) + 1 for r in workload)
     budget = args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
     log("starting transformers serve --continuous-batching ...")
-    srv = servers.start_transformers_serve(model, num_blocks=pages + 2, max_batch_tokens=budget)
+    srv = servers.start_transformers_serve(
+        model,
+        num_blocks=pages + 2,
+        max_batch_tokens=budget,
+        extra_pythonpath=args.hf_serve_pythonpath,
+    )
     try:
         srv.wait_ready(args.startup_timeout)
         log(f"transformers serve: {len(workload)} requests, concurrency {args.concurrency} ...")
@@ -277,11 +287,12 @@ LABELS = {"pagectl": "pagectl daemon", "hf-serve": "transformers serve --continu
 
 
 def render(report: dict) -> str:
-    rows, lat = [], []
+    rows, lat, notes = [], [], []
     for key, m in report["results"].items():
         label = LABELS.get(key, key)
         if "skipped" in m:
-            rows.append([label, "-", "-", "-", "-", "-", f"skipped: {m['skipped'][:80]}"])
+            rows.append([label, "-", "-", "-", "-", "skipped"])
+            notes.append(f"{label} skipped: {m['skipped']}")
             continue
         rows.append(
             [
@@ -291,9 +302,10 @@ def render(report: dict) -> str:
                 m["duration_s"],
                 m["request_throughput"],
                 m["output_throughput"],
-                "",
             ]
         )
+        if m.get("first_error"):
+            notes.append(f"{label}: first error: {m['first_error']}")
         lat.append(
             [label]
             + [m[k][p] for k in ("ttft_ms", "tpot_ms", "itl_ms") for p in ("p50", "p90", "p99")]
@@ -304,7 +316,7 @@ def render(report: dict) -> str:
         f"{spec['min_input_len']}-{spec['max_input_len']}, outputs {spec['min_output_len']}-"
         f"{spec['max_output_len']}, concurrency {report['concurrency']}"
     )
-    t1 = format_table(["server", "ok", "failed", "time s", "req/s", "output tok/s", ""], rows)
+    t1 = format_table(["server", "ok", "failed", "time s", "req/s", "output tok/s"], rows)
     t2 = format_table(
         ["latency ms", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "ITL p50", "p90", "p99"],
         lat,
@@ -316,4 +328,4 @@ def render(report: dict) -> str:
         f"(target >= {TARGET_OUTPUT_RATIO:g}x: {met[t['output_throughput_met']]}); "
         f"lower p50 TTFT: {met[t['ttft_p50_lower']]}"
     )
-    return "\n".join([head, t1, "", t2, tail])
+    return "\n".join([head, t1, *notes, "", t2, tail])

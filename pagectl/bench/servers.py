@@ -107,14 +107,43 @@ def start_daemon(model: str, engine_flags: list[str]) -> ServerProcess:
     return _spawn("pagectl-daemon", daemon_argv(model, port, runtime_dir, engine_flags), port)
 
 
-def transformers_serve_available() -> str | None:
-    """None when ``transformers serve`` can run here, else the reason it cannot."""
+def transformers_env(extra_pythonpath: str | None = None) -> dict:
+    """Environment for ``transformers serve``: offline, extra import path first if given."""
+    env = os.environ.copy()
+    # Its update check would try the network.
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    if extra_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (extra_pythonpath, env.get("PYTHONPATH")) if p
+        )
+    return env
+
+
+def transformers_serve_available(extra_pythonpath: str | None = None) -> str | None:
+    """None when ``transformers serve`` can run here, else the reason it cannot.
+
+    Checked in a child interpreter with the server's environment, so that serving extras
+    installed in a separate directory (``extra_pythonpath``) never load into this process.
+    """
+    probe = (
+        "import sys\n"
+        "from transformers.utils.import_utils import is_serve_available\n"
+        "sys.exit(0 if is_serve_available() else 3)\n"
+    )
     try:
-        from transformers.utils.import_utils import is_serve_available
-    except ImportError as e:
-        return f"transformers not importable: {e}"
-    if not is_serve_available():
+        rc = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=transformers_env(extra_pythonpath),
+            capture_output=True,
+            timeout=120,
+        ).returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not probe transformers: {e}"
+    if rc == 3:
         return "transformers serve needs its serving extras (pip install 'transformers[serving]')"
+    if rc != 0:
+        return "transformers is not importable"
     return None
 
 
@@ -145,14 +174,14 @@ def transformers_serve_argv(
 
 
 def start_transformers_serve(
-    model: str, *, num_blocks: int | None = None, max_batch_tokens: int | None = None
+    model: str,
+    *,
+    num_blocks: int | None = None,
+    max_batch_tokens: int | None = None,
+    extra_pythonpath: str | None = None,
 ) -> ServerProcess:
     port = free_port()
-    env = os.environ.copy()
-    # Its update check would try the network.
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     argv = transformers_serve_argv(
         model, port, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens
     )
-    return _spawn("transformers-serve", argv, port, env)
+    return _spawn("transformers-serve", argv, port, transformers_env(extra_pythonpath))
