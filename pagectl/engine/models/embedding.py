@@ -1,0 +1,66 @@
+"""Vocab-parallel token embedding and LM head.
+
+Each rank owns a contiguous range of ``ceil(vocab / tp)`` rows (the last range may be short;
+its missing rows are zero). The embedding looks up the ids in its range, zeroes the rest and
+all-reduces; the LM head computes logits for its range and all-gathers them (logits are
+gathered where sampling happens). At tp size 1 both are a plain lookup / matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagectl.engine.models.parallel import SINGLE, TPGroup
+from pagectl.engine.models.weights import copy_checked, read
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: TPGroup = SINGLE,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        n = max(self.vocab_end - self.vocab_start, 0)
+        if n < param.shape[0]:
+            param.data[n:].zero_()
+        copy_checked(param.data[:n], read(loaded, 0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = (input_ids - self.vocab_start) * mask
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; shares its parameter with the embedding when tied."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary, in float32, for the given hidden rows."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)[..., : self.num_embeddings]
+        return logits.float()

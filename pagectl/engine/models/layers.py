@@ -1,0 +1,51 @@
+"""Small replicated layers: RMSNorm (with a fused residual add) and SiLU-and-mul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagectl.engine.models.weights import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 as transformers does.
+
+    ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``,
+    the pre-norm decoder's "add then normalise" in one call.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None
+    ):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class SiluAndMul(nn.Module):
+    """silu(x[..., :d]) * x[..., d:] for x of width 2d (the fused gate | up output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]

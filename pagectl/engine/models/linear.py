@@ -1,0 +1,180 @@
+"""Tensor-parallel linear layers (Megatron style), with per-parameter weight loaders.
+
+- ``ColumnParallelLinear``: the output features are split across ranks; no communication.
+- ``MergedColumnParallelLinear``: several column-parallel projections of the same input in one
+  matmul (gate and up). Each piece is split across ranks on its own, so a rank's slice of the
+  fused output is [its gate rows | its up rows].
+- ``QKVParallelLinear``: q, k and v in one matmul; heads are split across ranks, and KV heads
+  are replicated when there are fewer of them than ranks.
+- ``RowParallelLinear``: the input features are split; partial outputs are summed with an
+  all-reduce (a no-op at tp size 1) and the bias is added once, after the sum.
+
+Every parameter carries ``weight_loader(param, loaded, shard_id)``, which copies this rank's
+part of a checkpoint tensor (or lazy slice) into it. Parameters are created uninitialised:
+the loader fills all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagectl.engine.models.parallel import SINGLE, TPGroup, divide
+from pagectl.engine.models.weights import copy_checked, read, shape_of
+
+
+def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split across ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_rank = divide(output_size, tp.size, "output features")
+        self.weight = _param(self.output_size_per_rank, input_size, dtype=params_dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(self.output_size_per_rank, dtype=params_dtype)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        n = param.shape[0]
+        copy_checked(param.data, read(loaded, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel projections of one input, fused; ``shard_id`` is the piece's index."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        for size in output_sizes:
+            divide(size, tp.size, "output features of a fused projection")
+        super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ValueError("a fused projection is loaded piece by piece (shard_id required)")
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        dst = param.data.narrow(0, offset, size)
+        copy_checked(dst, read(loaded, 0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; ``shard_id`` is "q", "k" or "v".
+
+    Each rank holds ``num_heads / tp`` query heads and ``max(1, num_kv_heads / tp)`` KV heads.
+    With fewer KV heads than ranks, ranks ``[i * r, (i + 1) * r)`` share KV head ``i``
+    (``r = tp / num_kv_heads``); that needs ``tp`` to be a multiple of ``num_kv_heads``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(
+                    f"num_key_value_heads ({num_kv_heads}) neither divides nor is a multiple "
+                    f"of the tensor-parallel size ({tp.size})"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        # The full (unsharded) output size, as the column-parallel base expects it.
+        super().__init__(
+            hidden_size, (self.q_size + 2 * self.kv_size) * tp.size, bias, tp, params_dtype
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        if shape_of(loaded)[0] < start + size:
+            raise ValueError(f"checkpoint {shard_id} projection is smaller than the config says")
+        copy_checked(param.data.narrow(0, offset, size), read(loaded, 0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_rank W_rank^T) + b with W's columns (input features) split."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+        params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = divide(input_size, tp.size, "input features")
+        self.output_size = output_size
+        self.reduce_results = reduce_results
+        self.weight = _param(output_size, self.input_size_per_rank, dtype=params_dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            # Replicated: added once after the reduction.
+            self.bias = _param(output_size, dtype=params_dtype)
+            self.bias.weight_loader = self.bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        n = param.shape[1]
+        copy_checked(param.data, read(loaded, 1, self.tp.rank * n, n))
+
+    def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        copy_checked(param.data, read(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

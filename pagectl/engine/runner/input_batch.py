@@ -1,0 +1,170 @@
+"""Batch preparation: one step's scheduled sequences -> packed model inputs.
+
+Per sequence the work is O(1) Python (slicing its token and block lists); everything per
+token (positions, slot mapping, block-table padding, logits rows) is numpy on whole arrays.
+
+Batch order (the runner's, not the scheduler's): sequences feeding one token come first,
+sorted by ascending length (the decode rows the attention backends batch), then the others
+in scheduler order. ``StepBatch.order[r]`` is the scheduler index of batch sequence ``r``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagectl.engine.attention.metadata import AttentionMetadata
+from pagectl.engine.outputs import SchedulerOutput
+
+
+@dataclass
+class PromptLogprobsPlan:
+    # Scheduler index of the sequence, first logits row of its scored positions, and the
+    # prompt tokens those positions predict (position p predicts token p + 1).
+    seq_index: int
+    row_start: int
+    target_token_ids: list[int]
+    num_logprobs: int
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    # Scheduler index of each batch sequence.
+    order: list[int]
+    # Hidden rows to compute logits for: prompt-logprob rows first, then one row per sampling
+    # sequence (int64 device tensor).
+    logits_rows: torch.Tensor
+    # Scheduler indices of the sampling sequences, in logits-row order (after the prompt rows).
+    sample_indices: list[int]
+    num_prompt_logprob_rows: int
+    prompt_logprobs: list[PromptLogprobsPlan]
+
+
+class BatchBuilder:
+    """Builds ``StepBatch`` objects; holds only configuration (no per-sequence state)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+        dynamic_rope_len: int | None = None,
+    ) -> None:
+        self.block_size = block_size
+        # Block id used to pad block tables (never owned by a sequence).
+        self.scratch_block = scratch_block
+        self.device = device
+        # Dynamic NTK rope: past this sequence length, rows need their sequence's length.
+        self.dynamic_rope_len = dynamic_rope_len
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def build(self, so: SchedulerOutput, prompt_scored: dict[str, int]) -> StepBatch:
+        """Pack ``so``. ``prompt_scored[seq_id]`` is how many leading prompt positions already
+        had their logprobs returned (updated here for the positions scored this step)."""
+        bs = self.block_size
+        seqs = so.seqs
+        counts = so.num_scheduled_tokens
+        decodes = [i for i, n in enumerate(counts) if n == 1]
+        decodes.sort(key=lambda i: seqs[i].num_computed_tokens)
+        order = decodes + [i for i, n in enumerate(counts) if n != 1]
+        num_seqs = len(order)
+
+        starts = np.fromiter((seqs[i].num_computed_tokens for i in order), np.int64, num_seqs)
+        q_lens = np.fromiter((counts[i] for i in order), np.int64, num_seqs)
+        seq_lens = starts + q_lens
+        cu = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+
+        token_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                seqs[i].all_token_ids[s : s + n]
+                for i, s, n in zip(order, starts.tolist(), q_lens.tolist(), strict=True)
+            ),
+            np.int64,
+            num_tokens,
+        )
+        seq_of_row = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], q_lens)
+
+        # Block tables: each sequence's blocks covering [0, seq_len), padded with scratch.
+        nb = (seq_lens + bs - 1) // bs
+        max_nb = int(nb.max())
+        flat = np.fromiter(
+            itertools.chain.from_iterable(
+                seqs[i].block_ids[:k] for i, k in zip(order, nb.tolist(), strict=True)
+            ),
+            np.int64,
+            int(nb.sum()),
+        )
+        tables = np.full((num_seqs, max_nb), self.scratch_block, np.int64)
+        tables[np.arange(max_nb)[None, :] < nb[:, None]] = flat
+        slots = tables[seq_of_row, positions // bs] * bs + positions % bs
+
+        # Logits rows: prompt positions to score, then the last row of each sampling sequence.
+        plans: list[PromptLogprobsPlan] = []
+        prompt_rows: list[np.ndarray] = []
+        sample_indices: list[int] = []
+        sample_rows: list[int] = []
+        num_prompt_rows = 0
+        for r, i in enumerate(order):
+            req = seqs[i]
+            k = req.sampling_params.prompt_logprobs
+            if k is not None:
+                start, n = int(starts[r]), int(q_lens[r])
+                first = max(start, prompt_scored.get(req.seq_id, 0))
+                last = min(start + n, req.num_prompt_tokens - 1)  # position p scores token p+1
+                if last > first:
+                    rows = np.arange(first, last) - start + cu[r]
+                    plans.append(
+                        PromptLogprobsPlan(
+                            i, num_prompt_rows, req.all_token_ids[first + 1 : last + 1], k
+                        )
+                    )
+                    prompt_rows.append(rows)
+                    num_prompt_rows += last - first
+                    prompt_scored[req.seq_id] = last
+            if so.sample[i]:
+                sample_indices.append(i)
+                sample_rows.append(int(cu[r + 1]) - 1)
+        logits_rows = np.concatenate(prompt_rows + [np.asarray(sample_rows, np.int64)])
+
+        num_decodes = len(decodes)
+        token_seq_lens = None
+        if self.dynamic_rope_len is not None and int(seq_lens.max()) > self.dynamic_rope_len:
+            token_seq_lens = self._to_device(np.repeat(seq_lens, q_lens))
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_decodes=num_decodes,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_start_loc=self._to_device(cu.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(tables.astype(np.int32)),
+            slot_mapping=self._to_device(slots),
+            query_start_loc_host=cu,
+            seq_lens_host=seq_lens,
+            block_tables_host=tables,
+            token_seq_lens=token_seq_lens,
+        )
+        return StepBatch(
+            input_ids=self._to_device(token_ids),
+            positions=self._to_device(positions),
+            meta=meta,
+            order=order,
+            logits_rows=self._to_device(logits_rows.astype(np.int64)),
+            sample_indices=sample_indices,
+            num_prompt_logprob_rows=num_prompt_rows,
+            prompt_logprobs=plans,
+        )

@@ -1,0 +1,192 @@
+"""The model runner: executes one ``SchedulerOutput`` as one forward over the whole batch.
+
+Per step: drop state of finished sequences, apply copy-on-write block copies, pack the batch
+(``input_batch``), let the attention backend precompute its per-step state, run the forward
+(a captured CUDA graph for small pure-decode batches on CUDA), compute logits only for the rows
+that sample or score prompt tokens, sample, and return ``ModelRunnerOutput`` in the
+scheduler's order.
+
+Owned by the engine loop thread. ``timings`` accumulates wall time per phase (exact on CPU;
+on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagectl.engine.attention import select_backend
+from pagectl.engine.model_config import ModelConfig
+from pagectl.engine.models.decoder import DecoderForCausalLM
+from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagectl.engine.runner.input_batch import BatchBuilder, StepBatch
+from pagectl.engine.runner.kv_cache import KVCachePool
+
+
+@dataclass
+class RunnerTimings:
+    """Cumulative seconds per phase, and steps run."""
+
+    steps: int = 0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.prepare_s = self.forward_s = self.sample_s = 0.0
+
+
+class ModelRunner:
+    """Implements the engine core's ``ModelExecutor`` protocol on one device (TP rank 0)."""
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        model_config: ModelConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        attn = model.attention_layers[0]
+        self.kv = KVCachePool(
+            model_config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
+            dtype,
+            device,
+        )
+        self.backend = select_backend(attention_backend, device, block_size, dtype)
+        model.bind_kv_cache(self.kv.layer_caches(), self.backend)
+        model.rotary_emb.ensure_cache(max_model_len, device)
+        rotary = model.rotary_emb
+        self.batch_builder = BatchBuilder(
+            block_size,
+            self.kv.scratch_block,
+            device,
+            dynamic_rope_len=rotary.max_position_embeddings if rotary.is_dynamic else None,
+        )
+        self.sampler = _make_sampler(model_config.vocab_size, device, seed)
+        # seq_id -> leading prompt positions whose logprobs were already returned (so a
+        # recompute after preemption does not report them twice).
+        self._prompt_scored: dict[str, int] = {}
+        self.timings = RunnerTimings()
+        self.sync_timings = False
+        self.cuda_graphs = None
+        if device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs:
+            from pagectl.engine.runner.cuda_graph import DecodeCudaGraphs
+
+            self.cuda_graphs = DecodeCudaGraphs(self, max_batch_size=min(max_num_seqs, 512))
+            self.cuda_graphs.capture()
+
+    # -- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.finished_seq_ids:
+            self.sampler.forget(so.finished_seq_ids)
+            for seq_id in so.finished_seq_ids:
+                self._prompt_scored.pop(seq_id, None)
+        self.kv.copy_blocks(so.block_copies)
+        if not so.seqs:
+            return ModelRunnerOutput([])
+        t0 = time.perf_counter()
+        batch = self.batch_builder.build(so, self._prompt_scored)
+        self.backend.prepare(batch.meta)
+        t1 = self._tick()
+        hidden = self._forward(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        t2 = self._tick()
+        out = self._sample(so, batch, logits)
+        t3 = self._tick()
+        tm = self.timings
+        tm.steps += 1
+        tm.prepare_s += t1 - t0
+        tm.forward_s += t2 - t1
+        tm.sample_s += t3 - t2
+        return out
+
+    def _tick(self) -> float:
+        if self.sync_timings and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(batch):
+            return graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, batch.meta)
+
+    def _sample(
+        self, so: SchedulerOutput, batch: StepBatch, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        seqs = so.seqs
+        sampled = [-1] * len(seqs)
+        logprobs: list[TokenLogprobs | None] | None = None
+        p = batch.num_prompt_logprob_rows
+        if batch.sample_indices:
+            result = self.sampler(logits[p:], [seqs[i] for i in batch.sample_indices])
+            for i, tok in zip(batch.sample_indices, result.token_ids, strict=True):
+                sampled[i] = tok
+            if result.logprobs is not None:
+                logprobs = [None] * len(seqs)
+                for i, lp in zip(batch.sample_indices, result.logprobs, strict=True):
+                    logprobs[i] = lp
+        prompt_logprobs = None
+        if batch.prompt_logprobs:
+            from pagectl.engine.runner.sampler import compute_prompt_logprobs
+
+            prompt_logprobs = {}
+            for plan in batch.prompt_logprobs:
+                n = len(plan.target_token_ids)
+                rows = logits[plan.row_start : plan.row_start + n]
+                targets = torch.tensor(plan.target_token_ids, dtype=torch.long, device=rows.device)
+                seq_id = seqs[plan.seq_index].seq_id
+                prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, plan.num_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+
+def _make_sampler(vocab_size: int, device: torch.device, seed: int) -> Any:
+    try:
+        from pagectl.engine.runner.sampler import Sampler
+    except ImportError:
+        return _GreedyOnlySampler(vocab_size)
+    return Sampler(vocab_size, device=device, seed=seed)
+
+
+class _GreedyOnlySampler:
+    """Stand-in used only where the sampler module is absent: argmax, nothing else."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, seqs: list) -> Any:
+        from types import SimpleNamespace
+
+        for s in seqs:
+            if not s.sampling_params.greedy or s.sampling_params.logprobs is not None:
+                raise RuntimeError("only greedy sampling is available without the sampler module")
+        return SimpleNamespace(
+            token_ids=logits[:, : self.vocab_size].argmax(-1).tolist(), logprobs=None
+        )
+
+    def forget(self, seq_ids) -> None:
+        pass
