@@ -284,6 +284,7 @@ class PagectlTop(App[None]):
         body = self.query("#body")
         if body:
             body.set_class(state == STALE, "-stale")
+            self.query_one(BlockMapView).stale = state == STALE
         if old.state == LIVE and state == STALE:
             self.query_one(EventLog).note(
                 self.clock(), "telemetry lost: daemon gone or hung?", "error"

@@ -108,7 +108,8 @@ class CellLayout:
     num_blocks: int
     per: int
     cols: int
-    # Characters per cell (2 leaves a gap between cells of a small pool) and gutter width.
+    # Characters per cell (1; 2 or 3 for a small pool: the glyph, doubled at 3, and a gap)
+    # and the gutter's width.
     cell_width: int
     gutter: int
 
@@ -145,9 +146,12 @@ def fit_layout(num_blocks: int, width: int, height: int, per: int | None = None)
     avail = max(1, width - gutter)
     height = max(1, height)
     if per is None or per <= 1:
-        cols2 = avail // 2
-        if cols2 >= 1 and (per == 1 or n <= cols2 * height):
-            return CellLayout(num_blocks, 1, _round_cols(cols2), 2, gutter)
+        # One block per cell: as wide a cell as fits the whole pool (3 = a square-ish
+        # two-character block and a gap), down to 2; an explicit zoom to 1 takes 2 and scrolls.
+        for cell_width in (3, 2):
+            cols = avail // cell_width
+            if cols >= 1 and (n <= cols * height or (per == 1 and cell_width == 2)):
+                return CellLayout(num_blocks, 1, _round_cols(cols), cell_width, gutter)
     cols = _round_cols(avail)
     if per is None:
         per = nice_ceil(n / (cols * height))

@@ -78,7 +78,8 @@ def render_row(
         segments.append(Segment(" " * layout.gutter))
     glyphs = cells.glyphs[start:end].tolist()
     colors = cells.colors[start:end].tolist()
-    pad = " " if layout.cell_width == 2 else ""
+    double = layout.cell_width == 3
+    pad = " " if layout.cell_width >= 2 else ""
     styles = STYLES.styles
     run_text: list[str] = []
     run_key: tuple[int, int] | None = None
@@ -96,13 +97,14 @@ def render_row(
                 segments.append(Segment("".join(run_text), styles[run_key]))
             run_text = []
             run_key = key
+        glyph = GLYPHS[g] * 2 if double else GLYPHS[g]
         if look == CURSOR and pad:
             # The cursor covers the glyph only; its gap keeps the neighbour's look.
-            segments.append(Segment(GLYPHS[g], styles[key]))
+            segments.append(Segment(glyph, styles[key]))
             run_key = None
             run_text = [pad]
             continue
-        run_text.append(GLYPHS[g] + pad)
+        run_text.append(glyph + pad)
     if run_text:
         segments.append(Segment("".join(run_text), styles[run_key] if run_key else Style()))
     strip = Strip(segments)

@@ -36,7 +36,8 @@ class Endpoints:
     """Where a daemon's admin channel listens."""
 
     telemetry: str
-    control: str
+    # None: read-only.
+    control: str | None
     # The 0600 file holding the control token; None: read-only.
     token_file: str | None
 
@@ -127,7 +128,10 @@ class ZmqSource:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(ep.telemetry)
         self._sub = sub
-        self._token, self._read_only_reason = _read_token(ep.token_file)
+        if ep.control is None:
+            self._token, self._read_only_reason = None, "no control endpoint"
+        else:
+            self._token, self._read_only_reason = _read_token(ep.token_file)
 
     def _close_sockets(self) -> None:
         for s in (self._sub, self._dealer):
@@ -151,7 +155,7 @@ class ZmqSource:
         return None
 
     async def send(self, command: Command) -> dict:
-        if self._token is None or self._endpoints is None:
+        if self._token is None or self._endpoints is None or self._endpoints.control is None:
             raise CommandError("unauthorized", f"read-only: {self.read_only_reason}")
         async with self._lock:
             assert self._ctx is not None

@@ -69,8 +69,20 @@ class BlockMapView(ScrollView, can_focus=True):
         self._spotlight_ids: np.ndarray | None = None
         self._spotlight_cells: set[int] | None = None
         self._strips: dict[int, Strip] = {}
+        # Set while telemetry is lost: the title says the picture is old.
+        self._stale = False
 
     # -- data ---------------------------------------------------------------------------
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        if value != self._stale:
+            self._stale = value
+            self._update_titles()
 
     @property
     def per(self) -> int | None:
@@ -127,7 +139,8 @@ class BlockMapView(ScrollView, can_focus=True):
             return
         unit = "1 block per cell" if layout.per == 1 else f"1 cell = {fmt.count(layout.per)} blocks"
         zoom = "" if self.zoom_per is None else " (zoomed)"
-        self.border_title = f"KV blocks · {fmt.count(layout.num_blocks)} · {unit}{zoom}"
+        stale = " · STALE (last picture)" if self._stale else ""
+        self.border_title = f"KV blocks · {fmt.count(layout.num_blocks)} · {unit}{zoom}{stale}"
         cell = self.cursor_cell
         if cell is None:
             self.border_subtitle = "arrows/click select · + - zoom"

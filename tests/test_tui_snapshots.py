@@ -1,0 +1,100 @@
+"""SVG snapshots of the console at a fixed size: idle, busy, disconnected, huge pool.
+
+Regenerate after an intended change with ``pytest tests/test_tui_snapshots.py
+--snapshot-update`` and review the SVGs (the report opens them side by side on failure).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_tui_app import SIZE, Clock, settle
+from test_tui_scenarios import NOW, busy_snapshots, huge_snapshot, idle_snapshots
+
+from pagectl.tui.app import PagectlTop
+from pagectl.tui.blockmodel import block_ids
+from pagectl.tui.fake_source import FakeSource
+from pagectl.tui.widgets.block_map import BlockMapView
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """Event times are shown in local time: pin the zone."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def console(snaps, **kw) -> tuple[PagectlTop, FakeSource, Clock]:
+    clock = Clock()
+    src = FakeSource(clock=clock, **kw)
+    for s in snaps:
+        src.push(s)
+    return PagectlTop(src, clock=clock), src, clock
+
+
+def test_idle(snap_compare):
+    snaps = idle_snapshots()
+    app, _, _ = console(snaps)
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_busy_with_sharing_and_a_selected_block(snap_compare):
+    snaps = busy_snapshots()
+    app, _, _ = console(snaps)
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+        shared = int(block_ids(snaps[-1].requests[0])[0])
+        app.query_one(BlockMapView).select_cell(shared)
+        for _ in range(200):
+            if app.inspection is not None and app.inspection.status == "ok":
+                break
+            await pilot.pause(0.01)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_busy_request_highlighted(snap_compare):
+    snaps = busy_snapshots()
+    app, _, _ = console(snaps)
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+        await pilot.press("tab", "down")  # the "sample" request: its blocks light up
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_disconnected_read_only(snap_compare):
+    snaps = busy_snapshots()
+    app, _, clock = console(snaps, can_control=False, read_only_reason="no control token file")
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+        clock.t = NOW + 12.0
+        app._tick()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+def test_huge_pool_aggregated(snap_compare):
+    snap = huge_snapshot(1_000_000)
+    app, _, _ = console([snap])
+
+    async def ready(pilot):
+        await settle(pilot, app, 1)
+        await pilot.press("right", "right", "down")  # a range cell: its counts and owners
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
