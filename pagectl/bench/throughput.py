@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="sequence length of the forward-limit probe",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="split pagectl's run into step phases and print the functions with the most own time",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -135,8 +140,14 @@ def workload_from_args(
     return spec, random_workload(spec)
 
 
-def run_pagectl(llm: Any, workload: list[BenchRequest], temperature: float = 0.0) -> EngineResult:
-    """Time ``llm.generate`` on the whole workload, one ``SamplingParams`` per request."""
+def run_pagectl(
+    llm: Any, workload: list[BenchRequest], temperature: float = 0.0, profile: bool = False
+) -> EngineResult:
+    """Time ``llm.generate`` on the whole workload, one ``SamplingParams`` per request.
+
+    With ``profile``, the run is also split into engine-step phases and profiled with
+    cProfile (``extra["profile"]``); both add a little overhead to the figure.
+    """
     from pagectl.engine.sampling_params import SamplingParams
 
     res = EngineResult("pagectl", "pagectl (LLM.generate)", len(workload))
@@ -151,15 +162,33 @@ def run_pagectl(llm: Any, workload: list[BenchRequest], temperature: float = 0.0
         SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
     )
     counters = _engine_counters(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    res.elapsed_s = time.perf_counter() - t0
+    if profile:
+        import cProfile
+
+        from pagectl.bench.profile import PhaseTimer, top_functions
+
+        prof = cProfile.Profile()
+        with PhaseTimer(llm) as phases:
+            t0 = time.perf_counter()
+            prof.enable()
+            outs = llm.generate(prompts, params)
+            prof.disable()
+            res.elapsed_s = time.perf_counter() - t0
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        res.elapsed_s = time.perf_counter() - t0
     after = _engine_counters(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     res.useful_output_tokens, res.num_length_mismatches = count_useful(
         tokens, [r.output_len for r in workload]
     )
     res.extra = {k: after[k] - counters.get(k, 0) for k in after}
+    if profile:
+        res.extra["profile"] = {
+            "phases_s": phases.breakdown(res.elapsed_s),
+            "top_functions": top_functions(prof, 25),
+        }
     return res
 
 
@@ -280,6 +309,17 @@ def run(args: argparse.Namespace) -> int:
     print(format_header(spec, model, torch.get_num_threads()))
     print(render_table(results))
     print(render_targets(report))
+    prof = next(
+        (r.extra.get("profile") for r in results if r.name == "pagectl" and r.error is None), None
+    )
+    if prof:
+        from pagectl.bench.profile import render_breakdown
+
+        steps = next(r.extra.get("steps", 0) for r in results if r.name == "pagectl")
+        print("\npagectl time by step phase (cProfile on; the rest is the offline loop):")
+        print(render_breakdown(prof["phases_s"], steps))
+        print("\nfunctions with the most own time:")
+        print(prof["top_functions"])
     if args.json:
         print(dumps(report))
     return 0
@@ -306,7 +346,7 @@ def _run_pagectl_engine(
         log("pagectl: building the engine ...")
         with LLM(**kw) as llm:
             log("pagectl: running ...")
-            res = run_pagectl(llm, workload, args.temperature)
+            res = run_pagectl(llm, workload, args.temperature, profile=args.profile)
     except (ImportError, ModuleNotFoundError) as e:
         return EngineResult(
             "pagectl", "pagectl (LLM.generate)", len(workload), error=f"engine unavailable: {e}"
