@@ -1,0 +1,165 @@
+"""End to end: the real console attached over ZMQ to a real daemon serving a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.request
+
+import pytest
+from test_tui_app import SIZE, wait_answers
+from tiny_models import build_tiny_model
+
+from pagectl.admin.testing import DaemonProcess
+from pagectl.engine.commands import SetConfig, SetPrefixCaching
+from pagectl.tui.app import PagectlTop
+from pagectl.tui.connection import LIVE
+from pagectl.tui.zmq_source import ZmqSource, runtime_resolver
+
+SHARED_PREFIX = list(range(10, 74))  # 64 tokens: 4 blocks every request shares
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class MixedLoad:
+    """Threads sending completions until stopped: a shared prefix, some n=3, long decodes."""
+
+    def __init__(self, base_url: str, workers: int = 6, max_tokens: int = 96) -> None:
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.stop_event = threading.Event()
+        self.done = 0
+        self.errors: list[str] = []
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
+            self.model = json.loads(r.read())["data"][0]["id"]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)
+        ]
+
+    def start(self) -> MixedLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _run(self, worker: int) -> None:
+        k = 0
+        while not self.stop_event.is_set():
+            k += 1
+            tail = [100 + (worker * 31 + k * 7 + j) % 250 for j in range(20 + 9 * (k % 5))]
+            body = {
+                "model": self.model,
+                "prompt": SHARED_PREFIX + tail,
+                "max_tokens": self.max_tokens,
+                "temperature": 0.8,
+                "seed": worker * 1000 + k,
+                "ignore_eos": True,
+                "n": 3 if worker % 3 == 0 else 1,
+            }
+            try:
+                post_json(self.base_url + "/v1/completions", body)
+                self.done += 1
+            except Exception as e:  # the daemon going away ends the load
+                self.errors.append(repr(e))
+                if self.stop_event.wait(0.2):
+                    return
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+
+def start_daemon(tmp_path, num_kv_blocks: int = 48) -> DaemonProcess:
+    model = build_tiny_model(tmp_path / "model", "qwen3")
+    args = [
+        "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        "--num-kv-blocks", str(num_kv_blocks), "--max-num-batched-tokens", "128",
+        "--max-num-seqs", "16", "--max-model-len", "512",
+    ]  # fmt: skip
+    return DaemonProcess(tmp_path / "run", args).start()
+
+
+async def wait_for(pilot, predicate, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def status(daemon: DaemonProcess) -> dict:
+    out = await asyncio.to_thread(daemon.ctl, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+async def test_keys_steer_a_real_daemon_under_load(tmp_path):
+    daemon = start_daemon(tmp_path)
+    load = MixedLoad(daemon.base_url).start()
+    try:
+        app = PagectlTop(ZmqSource(runtime_resolver(str(tmp_path / "run"))))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(
+                pilot,
+                lambda: (
+                    app.link.state == LIVE
+                    and app.snapshot is not None
+                    and app.snapshot.num_running > 0
+                ),
+            )
+            assert app.source.can_control
+            before = await status(daemon)
+            assert before["config"]["enable_prefix_caching"] is True
+            budget = before["config"]["max_num_batched_tokens"]
+
+            await pilot.press("p")
+            await wait_answers(pilot, app, 1)
+            assert app.answers[-1][:2] == (SetPrefixCaching(enabled=False), True)
+            assert (await status(daemon))["config"]["enable_prefix_caching"] is False
+
+            await pilot.press("right_square_bracket")
+            await wait_answers(pilot, app, 2)
+            assert app.answers[-1][:2] == (SetConfig("max_num_batched_tokens", 160), True)
+            assert app.answers[-1][2] == f"max_num_batched_tokens: {budget} → 160"
+            assert (await status(daemon))["config"]["max_num_batched_tokens"] == 160
+            # The console's own picture follows the daemon's telemetry.
+            await wait_for(
+                pilot,
+                lambda: (
+                    app.snapshot.config["max_num_batched_tokens"] == 160
+                    and not app.snapshot.config["enable_prefix_caching"]
+                ),
+            )
+            assert any(ev.kind == "config" for ev in app.snapshot.events)
+    finally:
+        load.stop()
+        daemon.kill()
+    assert load.done > 0
+
+
+@pytest.mark.slow
+async def test_the_console_survives_the_daemon_going_away(tmp_path):
+    daemon = start_daemon(tmp_path)
+    try:
+        app = PagectlTop(ZmqSource(runtime_resolver(str(tmp_path / "run")), reconnect_after=0.5))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.link.state == LIVE)
+            seq = app.snapshot.seq
+            await asyncio.to_thread(daemon.kill)
+            await wait_for(pilot, lambda: app.link.state == "stale", timeout=10)
+            assert app.snapshot.seq >= seq  # the last picture is kept
+            assert app.check_action("toggle_prefix_caching", ()) is None
+            # A new daemon in the same runtime directory: the console attaches by itself.
+            daemon = DaemonProcess(tmp_path / "run", daemon.args).start()
+            await wait_for(pilot, lambda: app.link.state == LIVE, timeout=60)
+            assert app.source.can_control
+    finally:
+        daemon.kill()
