@@ -146,3 +146,51 @@ def build_tiny_model(
 
 def read_config(model_dir: str | os.PathLike) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def hf_greedy(
+    model_dir: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Reference continuations: transformers ``generate(do_sample=False)``, one prompt at a
+    time, float32, never stopping early (EOS ignored, like ``ignore_eos=True``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+def engine_greedy(core, prompts: list[list[int]], max_new_tokens: int, prefix: str = "r") -> dict:
+    """Run ``prompts`` together through an ``EngineCore`` greedily (ignore_eos) to the end.
+
+    Returns {"tokens": [per prompt], "num_cached_tokens": [per prompt]}.
+    """
+    from pagectl.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_new_tokens)
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        core.add_request(rid, p, sp)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+    return {
+        "tokens": [tokens[r] for r in ids],
+        "num_cached_tokens": [cached.get(r, 0) for r in ids],
+    }
