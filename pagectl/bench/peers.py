@@ -103,6 +103,7 @@ def run_hf_continuous_batching(
     res.useful_output_tokens, res.num_length_mismatches = count_useful(
         tokens, [r.output_len for r in workload]
     )
+    res.model_tokens = sum(r.prompt_len + r.output_len - 1 for r in workload)
     res.extra = {
         "page_size": page_size,
         "num_blocks": pages + 2,
@@ -167,17 +168,21 @@ def run_hf_static_batches(
     run_batch(workload[:1][:1])  # warm-up, not timed
     outputs: list[list[int]] = []
     wasted = 0
+    model_tokens = 0
     t0 = time.perf_counter()
     for start in range(0, len(workload), batch_size):
         batch = workload[start : start + batch_size]
         outputs.extend(run_batch(batch))
         longest = max(r.output_len for r in batch)
         wasted += sum(longest - r.output_len for r in batch)
+        # Every row of the padded batch runs the prompt width, then longest - 1 decode steps.
+        model_tokens += len(batch) * (max(r.prompt_len for r in batch) + longest - 1)
     res.elapsed_s = time.perf_counter() - t0
     res.useful_output_tokens, res.num_length_mismatches = count_useful(
         outputs, [r.output_len for r in workload]
     )
     res.wasted_tokens = wasted
+    res.model_tokens = model_tokens
     res.extra = {"batch_size": batch_size}
     return res
 

@@ -31,19 +31,17 @@ class PhaseTimer:
         self.core = llm.core
         self.totals = {name: 0.0 for name, _, _ in _PHASES}
         self.calls = {name: 0 for name, _, _ in _PHASES}
-        self._saved: list[tuple[Any, str]] = []
+        self._saved: list[Any] = []
 
     def __enter__(self) -> PhaseTimer:
         for name, owner_attr, method in _PHASES:
             owner = getattr(self.core, owner_attr)
-            self._saved.append((owner, method))
-            setattr(owner, method, self._timed(name, getattr(owner, method)))
+            self._saved.append(_patch(owner, method, self._timed(name, getattr(owner, method))))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for owner, method in self._saved:
-            # The wrapper was set on the instance: removing it restores the class method.
-            delattr(owner, method)
+        for restore in reversed(self._saved):
+            restore()
         self._saved.clear()
 
     def _timed(self, name: str, fn: Any) -> Any:
@@ -66,6 +64,48 @@ class PhaseTimer:
             0.0, elapsed_s - sum(self.totals.values())
         )
         return out
+
+
+class ModelTokenCounter:
+    """Counts the tokens fed to the model (every step's scheduled tokens) on ``llm.core``.
+
+    Prompt tokens computed plus decode inputs, recomputation after preemption included:
+    what the forward passes actually processed. One Python call per step of overhead.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.executor = llm.core.executor
+        self.tokens = 0
+        self.steps = 0
+
+    def __enter__(self) -> ModelTokenCounter:
+        inner = self.executor.execute_model
+
+        def execute_model(so: Any) -> Any:
+            self.tokens += so.total_num_scheduled_tokens
+            self.steps += 1
+            return inner(so)
+
+        self._restore = _patch(self.executor, "execute_model", execute_model)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+
+def _patch(owner: Any, name: str, value: Any) -> Any:
+    """Set ``owner.name = value`` on the instance; returns a function that undoes it."""
+    missing = object()
+    previous = vars(owner).get(name, missing)
+    setattr(owner, name, value)
+
+    def restore() -> None:
+        if previous is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+
+    return restore
 
 
 def render_breakdown(breakdown: dict[str, float], steps: int) -> str:

@@ -20,6 +20,8 @@ class EngineResult:
     elapsed_s: float = 0.0
     # Tokens the engine computed but that count for nothing (static batches: padding rows).
     wasted_tokens: int = 0
+    # Token positions the model's forward passes processed (prompts, decode inputs, padding).
+    model_tokens: int = 0
     # Requests whose output length differed from the workload's (should be 0 with ignore_eos).
     num_length_mismatches: int = 0
     # For the forward-pass limit, tokens/s is measured directly and stored here.
@@ -38,10 +40,22 @@ class EngineResult:
             return None
         return self.useful_output_tokens / self.elapsed_s
 
+    @property
+    def model_tokens_per_s(self) -> float | None:
+        """Positions through the model per second (the forward limit's own unit)."""
+        if self.error is not None:
+            return None
+        if self.tokens_per_s_override is not None:
+            return self.tokens_per_s_override
+        if self.elapsed_s <= 0 or not self.model_tokens:
+            return None
+        return self.model_tokens / self.elapsed_s
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("tokens_per_s_override")
         d["tokens_per_s"] = self.tokens_per_s
+        d["model_tokens_per_s"] = self.model_tokens_per_s
         return d
 
 
