@@ -279,7 +279,9 @@ async def test_selecting_a_block_inspects_it():
         assert src.sent[-1] == InspectBlock(block_id=shared)
         detail = text_of(app.query_one(BlockDetail))
         assert f"block {shared}" in detail and "shared ×3-4" in detail
-        assert "chat-3 (table pos 0, tokens 0–15)" in detail and "sample#2" in detail
+        assert (
+            "owners chat-3, sample, sample#1, sample#2  (table position 0: tokens 0–15)" in detail
+        )
         assert "refcount 4" in detail and "hash " in detail and "tokens [" in detail
 
 

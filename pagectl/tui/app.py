@@ -151,29 +151,39 @@ class PagectlTop(App[None]):
     # -- layout -------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield ConsoleHeader(id="header")
-        with Vertical(id="body"):
+        # Panels are kept as attributes: ``query_one`` would search a modal screen on top.
+        self.header_panel = ConsoleHeader(id="header")
+        self.block_map = BlockMapView(id="map")
+        self.legend = Legend(id="legend")
+        self.detail = BlockDetail(id="detail")
+        self.gauges = Gauges(id="gauges")
+        self.trends = Trends(id="trends")
+        self.event_log = EventLog(id="events")
+        self.requests_table = RequestsTable(id="requests")
+        yield self.header_panel
+        with Vertical(id="body") as body:
+            self.body = body
             with Horizontal(id="top"):
                 with Vertical(id="left"):
-                    yield BlockMapView(id="map")
-                    yield Legend(id="legend")
-                    yield BlockDetail(id="detail")
+                    yield self.block_map
+                    yield self.legend
+                    yield self.detail
                 with Vertical(id="right"):
-                    yield Gauges(id="gauges")
-                    yield Trends(id="trends")
-                    yield EventLog(id="events")
-            yield RequestsTable(id="requests")
+                    yield self.gauges
+                    yield self.trends
+                    yield self.event_log
+            yield self.requests_table
         yield Footer()
 
     def on_mount(self) -> None:
         if self.record_path:
             self._recorder = RecordWriter(self.record_path)
-        self.query_one("#detail").border_title = "Selection"
-        self.query_one("#gauges").border_title = "KV usage"
-        self.query_one("#trends").border_title = "Over time"
-        self.query_one("#events").border_title = "Events"
+        self.detail.border_title = "Selection"
+        self.gauges.border_title = "KV usage"
+        self.trends.border_title = "Over time"
+        self.event_log.border_title = "Events"
         self._refresh_panels()
-        self.query_one(BlockMapView).focus()
+        self.block_map.focus()
         self.set_interval(0.5, self._tick)
         self._pump()
 
@@ -189,24 +199,24 @@ class PagectlTop(App[None]):
         try:
             await self.source.start()
         except Exception as e:  # keep the console up; the header says why
-            self.query_one(EventLog).note(self.clock(), f"cannot start: {e}", "error")
+            self.event_log.note(self.clock(), f"cannot start: {e}", "error")
             return
         while True:
             try:
                 frame = await self.source.next_frame(self.poll_interval)
             except Exception as e:
-                self.query_one(EventLog).note(self.clock(), f"telemetry error: {e}", "error")
+                self.event_log.note(self.clock(), f"telemetry error: {e}", "error")
                 await asyncio.sleep(1.0)
                 continue
             if frame is None:
                 self._tick()
                 continue
             self.frames_received += 1
-            per = self.query_one(BlockMapView).per
+            per = self.block_map.per
             try:
                 prepared = await asyncio.to_thread(prepare, frame, per, self._recorder)
             except Exception as e:  # a frame we cannot read must not stop the console
-                self.query_one(EventLog).note(self.clock(), f"bad telemetry frame: {e}", "error")
+                self.event_log.note(self.clock(), f"bad telemetry frame: {e}", "error")
                 continue
             self.apply(prepared)
 
@@ -219,9 +229,9 @@ class PagectlTop(App[None]):
         self.current = prepared
         self._received_at = prepared.received_at
         self.history.update(snap)
-        self.query_one(BlockMapView).set_states(prepared.states, prepared.cells)
-        self.query_one(EventLog).show_events(snap.events, snap.start_time)
-        self.query_one(RequestsTable).show_rows(snap.requests)
+        self.block_map.set_states(prepared.states, prepared.cells)
+        self.event_log.show_events(snap.events, snap.start_time)
+        self.requests_table.show_rows(snap.requests)
         self._update_spotlight()
         self._refresh_panels()
         self.frames_applied += 1
@@ -238,15 +248,15 @@ class PagectlTop(App[None]):
     def _refresh_panels(self) -> None:
         snap = self.snapshot
         self._update_link()
-        self.query_one(ConsoleHeader).show(snap, self.link)
-        self.query_one(Legend).show(self.query_one(BlockMapView).per)
-        self.query_one(Gauges).show(snap)
-        self.query_one(Trends).show(self.history, snap)
+        self.header_panel.show(snap, self.link)
+        self.legend.show(self.block_map.per)
+        self.gauges.show(snap)
+        self.trends.show(self.history, snap)
         self._refresh_detail()
 
     def _refresh_detail(self) -> None:
         snap = self.snapshot
-        self.query_one(BlockDetail).show(
+        self.detail.show(
             self.selection,
             self.current.states if self.current else None,
             snap.requests if snap else [],
@@ -281,20 +291,17 @@ class PagectlTop(App[None]):
         self.link = link
         if (old.state, old.read_only_reason) != (link.state, link.read_only_reason) or replay:
             self.refresh_bindings()
-        body = self.query("#body")
-        if body:
-            body.set_class(state == STALE, "-stale")
-            self.query_one(BlockMapView).stale = state == STALE
+        if hasattr(self, "body"):
+            self.body.set_class(state == STALE, "-stale")
+            self.block_map.stale = state == STALE
         if old.state == LIVE and state == STALE:
-            self.query_one(EventLog).note(
-                self.clock(), "telemetry lost: daemon gone or hung?", "error"
-            )
+            self.event_log.note(self.clock(), "telemetry lost: daemon gone or hung?", "error")
         elif old.state == STALE and state == LIVE:
-            self.query_one(EventLog).note(self.clock(), "telemetry back", "resume")
+            self.event_log.note(self.clock(), "telemetry back", "resume")
 
     def _tick(self) -> None:
         self._update_link()
-        self.query_one(ConsoleHeader).show(self.snapshot, self.link)
+        self.header_panel.show(self.snapshot, self.link)
 
     @property
     def control_ready(self) -> bool:
@@ -306,12 +313,12 @@ class PagectlTop(App[None]):
     @property
     def selected_request(self) -> RequestRow | None:
         """The request highlighted in the table, while the table has focus."""
-        table = self.query_one(RequestsTable)
+        table = self.requests_table
         return table.selected if table.has_focus else None
 
     def _update_spotlight(self) -> None:
         row = self.selected_request
-        self.query_one(BlockMapView).set_spotlight(block_ids(row) if row is not None else None)
+        self.block_map.set_spotlight(block_ids(row) if row is not None else None)
 
     def on_data_table_row_highlighted(self, event: RequestsTable.RowHighlighted) -> None:
         self._update_spotlight()
@@ -375,9 +382,7 @@ class PagectlTop(App[None]):
             text = f"{what}: {e.kind} — {e.message}"
             self.answers.append((command, False, text))
             self.notify(text, title="Refused", severity="error", timeout=8)
-            self.query_one(EventLog).note(
-                self.clock(), f"{what} refused: {e.kind}: {e.message}", "error"
-            )
+            self.event_log.note(self.clock(), f"{what} refused: {e.kind}: {e.message}", "error")
             return None
         text = describe_result(command, result)
         self.answers.append((command, True, text))
@@ -495,14 +500,14 @@ class PagectlTop(App[None]):
         self.push_screen(HelpScreen(diagnostics))
 
     def sort_requests(self, column: str | None) -> None:
-        table = self.query_one(RequestsTable)
+        table = self.requests_table
         if column is not None and column == table.sort_column:
             table.sort_by(column, not table.sort_reverse)
         else:
             table.sort_by(column, reverse=column not in (None, "id", "state"))
 
     def map_fit(self) -> None:
-        self.query_one(BlockMapView).action_zoom_fit()
+        self.block_map.action_zoom_fit()
 
 
 def run_console(source: AdminSource, **kw) -> None:

@@ -159,8 +159,10 @@ def fit_layout(num_blocks: int, width: int, height: int, per: int | None = None)
 
 
 def _round_cols(cols: int) -> int:
-    """Whole tens of cells per row, so that row starts are round block numbers."""
-    return cols // 10 * 10 if cols >= 20 else max(1, cols)
+    """Whole tens (fives for narrow grids) of cells per row: round row-start block numbers."""
+    if cols >= 40:
+        return cols // 10 * 10
+    return cols // 5 * 5 if cols >= 10 else max(1, cols)
 
 
 @dataclass

@@ -19,7 +19,8 @@ from pagectl.tui.blockmodel import (
 )
 from pagectl.tui.blockrender import STATE_COLORS
 
-MAX_OWNERS = 8
+MAX_OWNERS = 6
+MAX_ID = 18
 PREVIEW_CHARS = 160
 
 
@@ -61,12 +62,12 @@ def render_detail(
     inspection: Inspection | None,
     can_inspect: bool,
 ) -> Text:
-    t = Text()
+    t = Text(no_wrap=True, overflow="ellipsis")
     if selection is None or states is None:
-        t.append("No cell selected. ", style="italic #8b949e")
+        t.append("No cell selected.\n", style="italic #8b949e")
         t.append(
-            "Focus the map (tab) and use the arrows or click a cell; enter inspects a single "
-            "block. Highlight a request in the table to light up its blocks on the map.",
+            "Map (tab to focus): arrows or a click select a cell; enter inspects a block.\n"
+            "Requests table: the highlighted request's blocks light up on the map.",
             style="#8b949e",
         )
         return t
@@ -93,20 +94,23 @@ def render_detail(
     if not owners:
         t.append("none", style="italic")
     else:
+        positions = {o.first_position for o in owners}
         for i, o in enumerate(owners[:MAX_OWNERS]):
             if i:
                 t.append(", ")
-            t.append(o.seq_id, style="bold")
-            if first == last:
-                lo = o.first_position * block_size
-                t.append(
-                    f" (table pos {o.first_position}, tokens {lo}–{lo + block_size - 1})",
-                    style="#8b949e",
-                )
-            else:
+            t.append(_short(o.seq_id), style="bold")
+            if first != last:
                 t.append(f" ×{o.num_blocks}", style="#8b949e")
+            elif len(positions) > 1:
+                t.append(f" @{o.first_position}", style="#8b949e")
         if len(owners) > MAX_OWNERS:
             t.append(f" … +{len(owners) - MAX_OWNERS} more", style="#8b949e")
+        if first == last and len(positions) == 1:
+            lo = owners[0].first_position * block_size
+            t.append(
+                f"  (table position {owners[0].first_position}: tokens {lo}–{lo + block_size - 1})",
+                style="#8b949e",
+            )
     if first != last:
         return t
     t.append("\n")
@@ -146,6 +150,14 @@ def render_detail(
         preview = text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "…"
         t.append(repr(preview)[1:-1], style="#e3b341")
     return t
+
+
+def _short(seq: str) -> str:
+    """Long generated ids (cmpl-<32 hex>) cut in the middle; the sample suffix kept."""
+    base, sep, index = seq.partition("#")
+    if len(base) > MAX_ID:
+        base = base[: MAX_ID - 1] + "…"
+    return base + sep + index
 
 
 def _fill(rows: Sequence[RequestRow], block_id: int, block_size: int) -> int | None:

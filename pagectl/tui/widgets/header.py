@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.text import Text
 from textual.widgets import Static
 
@@ -38,7 +40,7 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
     else:
         m = snap.model
         b = snap.blocks
-        t.append(f"  {m.model or '?'}", style="bold")
+        t.append(f"  {model_name(m.model)}", style="bold")
         t.append(f" · {m.dtype or '?'} · {m.device or '?'} · TP {m.tp_size}", style="#8b949e")
         t.append("   KV ", style="#8b949e")
         t.append(f"{fmt.count(b.num_blocks)} blocks × {b.block_size} tok", style="bold")
@@ -74,6 +76,13 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
         t.append(" READ-ONLY ", style="bold #0d1117 on #8b949e")
         t.append(f" {link.read_only_reason}", style="#8b949e")
     return t
+
+
+def model_name(model: str) -> str:
+    """A local checkpoint directory by its last part; hub ids (org/name) as they are."""
+    if model.startswith(("/", "./", "../", "~")):
+        return os.path.basename(model.rstrip("/")) or model
+    return model or "?"
 
 
 def render_link(link: Connection) -> Text:

@@ -95,7 +95,8 @@ class RequestsTable(DataTable):
 
     def on_mount(self) -> None:
         for col in COLUMNS:
-            self.add_column(col.label, key=col.key)
+            # The state column is sized for its longest value ("preempted").
+            self.add_column(col.label, key=col.key, width=9 if col.key == "state" else None)
 
     @property
     def selected(self) -> RequestRow | None:
