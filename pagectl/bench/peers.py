@@ -32,7 +32,7 @@ def load_hf_model(model: str, dtype: str = "float32", device: str = "cpu") -> An
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    m: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     return m.to(device).eval()
 
 

@@ -249,7 +249,7 @@ def _run_transformers_serve(
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok.decode(r.prompt_token_ids) for r in workload]
+    prompts = [str(tok.decode(r.prompt_token_ids)) for r in workload]
     pages = sum(-(-(r.prompt_len + r.output_len) // args.hf_page_size) + 1 for r in workload)
     budget = args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
     log("starting transformers serve --continuous-batching ...")

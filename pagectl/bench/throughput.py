@@ -243,7 +243,7 @@ def build_report(
 def render_table(results: list[EngineResult]) -> str:
     """One row per engine. The forward row's ratio compares model tok/s (engine efficiency)."""
     pc = next((r for r in results if r.name == "pagectl"), None)
-    rows = []
+    rows: list[list[Any]] = []
     for r in results:
         if r.error is not None:
             rows.append([r.label, "-", "-", "-", "-", "-", "skipped"])
