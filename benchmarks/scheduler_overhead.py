@@ -30,7 +30,9 @@ from pagectl.engine.scheduler import Scheduler
 
 def _make_scheduler(num_blocks: int, budget: int, max_seqs: int) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=1 << 20),
+        SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=1 << 20
+        ),
         CacheConfig(block_size=16, num_kv_blocks=num_blocks, enable_prefix_caching=True),
     )
 
@@ -97,7 +99,9 @@ def bench_mixed(steps: int, seed: int = 0) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -110,7 +114,15 @@ def main() -> None:
     print(f"{'mixed, 64 decode + prefill':<28}{mixed:>10.1f}{'':>12}")
     print("target: decode_256 <= 300 us/step")
     if args.json:
-        print(json.dumps({"decode_256_us_per_step": round(d256, 1), "decode_64_us_per_step": round(d64, 1), "mixed_us_per_step": round(mixed, 1)}))
+        print(
+            json.dumps(
+                {
+                    "decode_256_us_per_step": round(d256, 1),
+                    "decode_64_us_per_step": round(d64, 1),
+                    "mixed_us_per_step": round(mixed, 1),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,35 +24,35 @@ def stream(tok, text: str, params: SamplingParams, prompt: str = "x = 1\n"):
     ids = tok(text).input_ids
     d = IncrementalDetokenizer(tok, prompt_ids, params)
     pieces = []
-    for i, t in enumerate(ids):
+    for t in ids:
         pieces.append(d.push([t]))
         if d.stop_hit is not None:
             break
     pieces.append(d.flush())
-    return d, "".join(pieces), i
+    return d, "".join(pieces)
 
 
 def test_streamed_text_equals_full_decode(tok):
-    d, out, _ = stream(tok, TEXT, SamplingParams())
+    d, out = stream(tok, TEXT, SamplingParams())
     assert out == TEXT == d.text
     assert d.stop_hit is None
 
 
 @pytest.mark.parametrize("stop", ["return", "\n\n", "(1, 2)", "✓"])
 def test_stop_string_cuts_text_and_never_leaks(tok, stop):
-    d, out, i = stream(tok, TEXT, SamplingParams(stop=[stop]))
+    d, out = stream(tok, TEXT, SamplingParams(stop=[stop]))
     assert d.stop_hit == stop
     assert out == TEXT[: TEXT.index(stop)]
     assert stop not in out
 
 
 def test_include_stop_str_in_output(tok):
-    d, out, _ = stream(tok, TEXT, SamplingParams(stop=["b):"], include_stop_str_in_output=True))
+    d, out = stream(tok, TEXT, SamplingParams(stop=["b):"], include_stop_str_in_output=True))
     assert out == "def add(a, b):"
 
 
 def test_earliest_of_several_stop_strings_wins(tok):
-    d, out, _ = stream(tok, TEXT, SamplingParams(stop=["print", "return"]))
+    d, out = stream(tok, TEXT, SamplingParams(stop=["print", "return"]))
     assert d.stop_hit == "return" and out == "def add(a, b):\n    "
 
 

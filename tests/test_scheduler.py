@@ -51,7 +51,11 @@ def run(core: EngineCore, max_steps: int = 10_000) -> dict:
             break
         for o in core.step():
             toks, _, _ = out.get((o.request_id, o.index), ([], None, 0))
-            out[(o.request_id, o.index)] = (toks + o.new_token_ids, o.finish_reason, o.num_cached_tokens)
+            out[(o.request_id, o.index)] = (
+                toks + o.new_token_ids,
+                o.finish_reason,
+                o.num_cached_tokens,
+            )
     else:
         raise AssertionError("did not finish")
     return out
@@ -90,8 +94,7 @@ def test_long_prefill_threshold_lets_decodes_through():
     core.add_request("long", list(range(100, 160)), sp(2))
     run(core)
     for s in runner.steps:
-        for r, n in zip(s.seqs, s.num_scheduled_tokens):
-            assert n <= 8
+        assert all(n <= 8 for n in s.num_scheduled_tokens)
     # The short request decodes on every step while the long prompt is chunked.
     assert all("short" in [r.seq_id for r in s.seqs] for s in runner.steps[:8])
 
@@ -159,7 +162,9 @@ def test_priority_policy_orders_admission_and_picks_victim():
 
 
 def test_stop_conditions():
-    core = make_core(runner=FakeRunner(lambda r: EOS if r.num_output_tokens >= 2 else 50 + r.num_output_tokens))
+    core = make_core(
+        runner=FakeRunner(lambda r: EOS if r.num_output_tokens >= 2 else 50 + r.num_output_tokens)
+    )
     core.add_request("eos", [9, 9], SamplingParams(max_tokens=10, temperature=0))
     core.add_request("ignore", [9, 9], SamplingParams(max_tokens=5, ignore_eos=True, temperature=0))
     core.add_request("min", [9, 9], SamplingParams(max_tokens=10, min_tokens=4, temperature=0))
@@ -268,7 +273,12 @@ def test_live_config_changes_take_effect_next_step():
     core.step()
     assert runner.steps[-1].total_num_scheduled_tokens == 40
     ev = core.scheduler.events[-1]
-    assert ev.kind == "config" and ev.data == {"name": "max_num_batched_tokens", "old": 16, "new": 40, "client": "t"}
+    assert ev.kind == "config" and ev.data == {
+        "name": "max_num_batched_tokens",
+        "old": 16,
+        "new": 40,
+        "client": "t",
+    }
     core.apply_command(SetConfig(name="max_num_seqs", value=1))
     run(core)
     # Lowering the cap does not preempt; admission waits until running drops below it.

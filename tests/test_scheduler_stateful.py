@@ -28,7 +28,9 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         sched = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=NUM_BLOCKS * BLOCK_SIZE),
+            SchedulerConfig(
+                max_num_batched_tokens=16, max_num_seqs=6, max_model_len=NUM_BLOCKS * BLOCK_SIZE
+            ),
             CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
         )
         self.core = EngineCore(sched, FakeRunner(), vocab_size=100, eos_token_ids=[0])
@@ -124,7 +126,9 @@ class EngineMachine(RuleBasedStateMachine):
                 if b.block_hash is not None:
                     # The map only points at blocks holding exactly that content.
                     assert i < len(r.block_hashes) and b.block_hash == r.block_hashes[i]
-                    assert list(b.token_ids) == r.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+                    assert (
+                        list(b.token_ids) == r.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+                    )
 
     def teardown(self):
         sched = self.core.scheduler

@@ -8,11 +8,17 @@ import sys
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by ``generate`` and ``bench``."""
-    p.add_argument("--model", default=None, help="model directory or hub id (default: the built-in model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument(
+        "--model", default=None, help="model directory or hub id (default: the built-in model)"
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    p.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
@@ -20,7 +26,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="prefix caching"
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefix caching",
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
@@ -28,7 +37,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
+    p.add_argument(
+        "prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)"
+    )
     add_engine_arguments(p)
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -44,7 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", type=int, default=1, help="number of samples")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template",
+    )
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
 
 

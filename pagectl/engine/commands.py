@@ -51,7 +51,16 @@ class InspectBlock(msgspec.Struct, tag="inspect_block", tag_field="cmd"):
     block_id: int
 
 
-Command = SetConfig | SetPrefixCaching | ResetPrefixCache | Pause | Resume | Abort | GetStatus | InspectBlock
+Command = (
+    SetConfig
+    | SetPrefixCaching
+    | ResetPrefixCache
+    | Pause
+    | Resume
+    | Abort
+    | GetStatus
+    | InspectBlock
+)
 
 
 class CommandError(Exception):

@@ -23,7 +23,12 @@ from pagectl.engine.commands import (
     SetConfig,
     SetPrefixCaching,
 )
-from pagectl.engine.outputs import EngineCoreOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
+from pagectl.engine.outputs import (
+    EngineCoreOutput,
+    EngineRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagectl.engine.request import Request, RequestStatus
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.scheduler import Scheduler
@@ -97,7 +102,10 @@ class EngineCore:
                 f"the prompt has {n_prompt} tokens; the maximum context length is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        if sampling_params.max_tokens is not None and n_prompt + sampling_params.max_tokens > self.max_model_len:
+        if (
+            sampling_params.max_tokens is not None
+            and n_prompt + sampling_params.max_tokens > self.max_model_len
+        ):
             raise ValueError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({sampling_params.max_tokens}) exceeds "
                 f"the maximum context length {self.max_model_len}"
@@ -186,7 +194,9 @@ class EngineCore:
             if not sched.abort_request(cmd.request_id):
                 raise CommandError("not_found", f"no live request with id {cmd.request_id!r}")
             who = f" by {client}" if client else ""
-            sched.add_event("abort", f"aborted {cmd.request_id}{who}", request=cmd.request_id, client=client)
+            sched.add_event(
+                "abort", f"aborted {cmd.request_id}{who}", request=cmd.request_id, client=client
+            )
             return {"aborted": cmd.request_id}
         if isinstance(cmd, GetStatus):
             return self.status()
@@ -254,7 +264,11 @@ class EngineCore:
                 for r in self._live_requests()
             ],
             "last_steps": [
-                {"step_id": s.step_id, "num_scheduled_tokens": s.num_scheduled_tokens, "token_budget": s.token_budget}
+                {
+                    "step_id": s.step_id,
+                    "num_scheduled_tokens": s.num_scheduled_tokens,
+                    "token_budget": s.token_budget,
+                }
                 for s in list(sched.step_stats)[-8:]
             ],
         }
@@ -262,7 +276,9 @@ class EngineCore:
     def inspect_block(self, block_id: int) -> dict:
         pool = self.scheduler.kv.pool
         if not 0 <= block_id < pool.num_blocks:
-            raise CommandError("not_found", f"block {block_id} does not exist (pool has {pool.num_blocks})")
+            raise CommandError(
+                "not_found", f"block {block_id} does not exist (pool has {pool.num_blocks})"
+            )
         b = pool.blocks[block_id]
         owners = []
         tokens: list[int] | None = list(b.token_ids) if b.token_ids else None
@@ -353,7 +369,9 @@ class EngineCore:
             engine_state=self.engine_state(),
             model=self.model_info,
             config=sched.live_config(),
-            blocks=BlockMap(pool.num_blocks, pool.block_size, bytes(pool.ref_bytes), bytes(pool.hashed_bytes)),
+            blocks=BlockMap(
+                pool.num_blocks, pool.block_size, bytes(pool.ref_bytes), bytes(pool.hashed_bytes)
+            ),
             num_free_blocks=pool.num_free_blocks,
             num_cached_free_blocks=pool.num_cached_free_blocks,
             num_used_blocks=pool.num_used_blocks,

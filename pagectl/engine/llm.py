@@ -12,6 +12,7 @@ until all are finished, and returns one ``RequestOutput`` per prompt, in input o
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -163,7 +164,11 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = [
-            {"prompt_token_ids": apply_chat_template(self.tokenizer, list(c), **(chat_template_kwargs or {}))}
+            {
+                "prompt_token_ids": apply_chat_template(
+                    self.tokenizer, list(c), **(chat_template_kwargs or {})
+                )
+            }
             for c in convs
         ]
         return self.generate(prompts, sampling_params)
@@ -239,7 +244,9 @@ class LLM:
                 for j in range(sp.n):
                     seqs[(rids[i], j)] = _Seq(
                         logprobs=[] if sp.logprobs is not None else None,
-                        detok=IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None,
+                        detok=IncrementalDetokenizer(self.tokenizer, ids, sp)
+                        if self.tokenizer
+                        else None,
                     )
             while core.has_unfinished():
                 for o in core.step():
@@ -259,7 +266,9 @@ class LLM:
                         if s.detok.stop_hit is not None:
                             s.finish_reason = "stop"
                             s.stop_reason = s.detok.stop_hit
-                            core.scheduler.finish_by_stop_string(o.request_id, o.index, s.detok.stop_hit)
+                            core.scheduler.finish_by_stop_string(
+                                o.request_id, o.index, s.detok.stop_hit
+                            )
                             continue
                     if o.finish_reason:
                         s.finish_reason = o.finish_reason
@@ -278,7 +287,9 @@ class LLM:
                 s = seqs[(rid, j)]
                 text = s.detok.text if s.detok is not None else ""
                 outs.append(
-                    CompletionOutput(j, text, s.tokens, s.finish_reason, s.stop_reason, s.logprobs, s.error)
+                    CompletionOutput(
+                        j, text, s.tokens, s.finish_reason, s.stop_reason, s.logprobs, s.error
+                    )
                 )
             results.append(
                 RequestOutput(
@@ -294,7 +305,5 @@ class LLM:
 
 
 def _shutdown_engine(engine: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort at interpreter exit
         engine.shutdown()
-    except Exception:  # best effort at interpreter exit
-        pass

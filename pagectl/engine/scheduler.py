@@ -14,90 +14,22 @@ Owned by the engine loop thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
 
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.kv.manager import KVCacheManager
+from pagectl.engine.live_config import LiveConfigMixin
 from pagectl.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagectl.engine.request import Request, RequestStatus
 from pagectl.engine.telemetry import Counters, Event, StepStat
+from pagectl.engine.waiting_queue import WaitingQueue
 
 PREEMPT_KV_BLOCKS = "kv_blocks"
 
-# Live settings: name -> (type, description).
-LIVE_SETTINGS = {
-    "max_num_batched_tokens": (int, "token budget of one step"),
-    "max_num_seqs": (int, "most sequences running at once"),
-    "long_prefill_token_threshold": (int, "most prompt tokens one request prefills per step"),
-    "enable_prefix_caching": (bool, "prefix caching on or off"),
-}
 
-
-class WaitingQueue:
-    """Waiting sequences in service order. Removal is lazy: finished entries are skipped."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple[int, float, int], Request]] = []
-        self._live = 0
-
-    def __len__(self) -> int:
-        return self._live
-
-    def push(self, req: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority_key, req))
-        else:
-            self._fifo.append(req)
-        self._live += 1
-
-    def push_front(self, req: Request) -> None:
-        """Put a preempted sequence back where it is served next (priority: its own key)."""
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority_key, req))
-        else:
-            self._fifo.appendleft(req)
-        self._live += 1
-
-    def discard(self, req: Request) -> None:
-        """Forget ``req`` (already marked finished); its entry is skipped later."""
-        self._live -= 1
-
-    def peek(self) -> Request | None:
-        if self.policy == "priority":
-            heap = self._heap
-            while heap and heap[0][1].status.finished:
-                heapq.heappop(heap)
-            return heap[0][1] if heap else None
-        fifo = self._fifo
-        while fifo and fifo[0].status.finished:
-            fifo.popleft()
-        return fifo[0] if fifo else None
-
-    def pop(self) -> Request:
-        req = self.peek()
-        assert req is not None
-        if self.policy == "priority":
-            heapq.heappop(self._heap)
-        else:
-            self._fifo.popleft()
-        self._live -= 1
-        return req
-
-    def __iter__(self) -> Iterator[Request]:
-        if self.policy == "priority":
-            items = [r for _, r in sorted(self._heap, key=lambda e: e[0])]
-        else:
-            items = list(self._fifo)
-        return (r for r in items if not r.status.finished)
-
-
-class Scheduler:
+class Scheduler(LiveConfigMixin):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -288,7 +220,11 @@ class Scheduler:
             req = self.waiting.peek()
             if req is None:
                 break
-            if req.pending_forks > 1 and running and len(running) + req.pending_forks > cfg.max_num_seqs:
+            if (
+                req.pending_forks > 1
+                and running
+                and len(running) + req.pending_forks > cfg.max_num_seqs
+            ):
                 break
             if kv.blocks_needed(max(req.target_num_tokens, 1)) > kv.num_blocks:
                 self._finish_unfittable(req)  # can never fit, however empty the pool
@@ -306,7 +242,9 @@ class Scheduler:
             first_admission = req.num_cached_tokens < 0
             if first_admission:
                 req.num_cached_tokens = num_hit
-                self.counters.prefix_queries += req.num_prompt_tokens if kv.enable_prefix_caching else 0
+                self.counters.prefix_queries += (
+                    req.num_prompt_tokens if kv.enable_prefix_caching else 0
+                )
                 self.counters.prefix_hits += num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -517,116 +455,3 @@ class Scheduler:
         ev = Event(next(self._event_ids), time.time(), kind, message, data)
         self.events.append(ev)
         return ev
-
-    def set(self, name: str, value: object, client: str = "") -> tuple[object, object]:
-        """Change one live setting; applied from the next step. Returns (old, new).
-
-        Raises ``KeyError`` for an unknown name and ``ValueError`` for a bad value.
-        """
-        if name not in LIVE_SETTINGS:
-            raise KeyError(f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}")
-        typ = LIVE_SETTINGS[name][0]
-        if typ is bool:
-            value = _parse_bool(name, value)
-        else:
-            value = _parse_int(name, value)
-        cfg = self.config
-        if name == "max_num_batched_tokens":
-            if not 1 <= value <= cfg.max_num_batched_tokens_limit:
-                raise ValueError(
-                    f"max_num_batched_tokens must be in [1, {cfg.max_num_batched_tokens_limit}], "
-                    f"got {value}"
-                )
-        elif name == "max_num_seqs":
-            if not 1 <= value <= self.max_num_seqs_limit:
-                raise ValueError(
-                    f"max_num_seqs must be in [1, {self.max_num_seqs_limit}] (the start-up "
-                    f"value is the limit), got {value}"
-                )
-        elif name == "long_prefill_token_threshold" and value < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {value}")
-        if name == "enable_prefix_caching":
-            old = self.kv.enable_prefix_caching
-            self._set_prefix_caching(bool(value))
-        else:
-            old = getattr(cfg, name)
-            setattr(cfg, name, value)
-        if old != value:
-            who = f" by {client}" if client else ""
-            self.add_event(
-                "config", f"{name}: {old} -> {value}{who}", name=name, old=old, new=value, client=client
-            )
-        return old, value
-
-    def _set_prefix_caching(self, enabled: bool) -> None:
-        kv = self.kv
-        if enabled == kv.enable_prefix_caching:
-            return
-        kv.enable_prefix_caching = enabled
-        self.cache_config.enable_prefix_caching = enabled
-        if not enabled:
-            # Stop lookups and new entries; cached-but-unused blocks become plain free blocks.
-            # Running sequences keep their blocks and re-register them if caching returns.
-            kv.reset_prefix_cache()
-            for req in self.running:
-                req.num_registered_blocks = 0
-
-    def reset_prefix_cache(self, client: str = "") -> int:
-        released = self.kv.reset_prefix_cache()
-        who = f" by {client}" if client else ""
-        self.add_event(
-            "prefix_cache_reset",
-            f"prefix cache reset{who}: {released} cached blocks released",
-            released_blocks=released,
-            client=client,
-        )
-        return released
-
-    def set_paused(self, paused: bool, client: str = "") -> bool:
-        old = self.paused
-        self.paused = paused
-        if old != paused:
-            who = f" by {client}" if client else ""
-            self.add_event("pause" if paused else "resume", f"admission {'paused' if paused else 'resumed'}{who}", client=client)
-        return old
-
-    def live_config(self) -> dict[str, int | float | str | bool]:
-        cfg = self.config
-        return {
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "max_num_seqs": cfg.max_num_seqs,
-            "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
-            "enable_prefix_caching": self.kv.enable_prefix_caching,
-            "paused": self.paused,
-            "policy": cfg.policy,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.kv.num_blocks,
-            "max_model_len": cfg.max_model_len,
-            "max_num_seqs_limit": self.max_num_seqs_limit,
-            "max_num_batched_tokens_limit": cfg.max_num_batched_tokens_limit,
-        }
-
-
-def _parse_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "on", "yes"):
-        return True
-    if isinstance(value, str) and value.lower() in ("0", "false", "off", "no"):
-        return False
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name} must be on/off (true/false), got {value!r}")
-
-
-def _parse_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip().replace("_", ""))
-        except ValueError:
-            pass
-    raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -54,6 +54,8 @@ def hash_request_blocks(
         parent = hashes[i - 1] if i else ROOT_HASH
         start = i * block_size
         hashes.append(
-            hash_block_tokens(parent, token_ids[start : start + block_size], salt if i == 0 else None)
+            hash_block_tokens(
+                parent, token_ids[start : start + block_size], salt if i == 0 else None
+            )
         )
     return hashes

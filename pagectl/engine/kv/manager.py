@@ -99,9 +99,7 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + n_hit * bs
         need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - n_hit
         # Copy-on-write: the next slot lies inside a block that others hold too.
-        cow = bool(
-            num_new_tokens > 0 and num_computed % bs and blocks and blocks[-1].ref_cnt > 1
-        )
+        cow = bool(num_new_tokens > 0 and num_computed % bs and blocks and blocks[-1].ref_cnt > 1)
         num_from_free = max(need, 0) + cow
         if n_hit:
             assert new_computed_blocks is not None
