@@ -214,6 +214,40 @@ def test_parse_peers():
         throughput.parse_peers("vllm")
 
 
+class _Sched:
+    def schedule(self):
+        return "so"
+
+    def update_from_output(self, so, ro):
+        return [so, ro]
+
+
+class _Exec:
+    def execute_model(self, so):
+        return "ro"
+
+
+def test_phase_timer_and_token_counter_wrap_and_restore():
+    from pagectl.bench.profile import ModelTokenCounter, PhaseTimer, render_breakdown
+
+    core = SimpleNamespace(scheduler=_Sched(), executor=_Exec())
+    llm = SimpleNamespace(core=core)
+    with ModelTokenCounter(llm) as fed, PhaseTimer(llm) as timer:
+        for _ in range(3):
+            so = core.scheduler.schedule()
+            assert (
+                core.executor.execute_model(SimpleNamespace(total_num_scheduled_tokens=5)) == "ro"
+            )
+            assert core.scheduler.update_from_output(so, "ro") == ["so", "ro"]
+    assert fed.tokens == 15 and fed.steps == 3
+    assert timer.calls == {"schedule": 3, "execute_model": 3, "update_from_output": 3}
+    # Every wrapper is gone: the instances use their class methods again.
+    assert "schedule" not in vars(core.scheduler) and "execute_model" not in vars(core.executor)
+    b = timer.breakdown(elapsed_s=10.0)
+    assert sum(b.values()) == pytest.approx(10.0)
+    assert "execute_model" in render_breakdown(b, steps=3)
+
+
 # -- percentiles and latency ----------------------------------------------------------------
 
 
