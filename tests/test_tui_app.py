@@ -388,3 +388,61 @@ async def test_help_opens_and_closes(key):
         await pilot.press("escape")
         await pilot.pause()
         assert type(app.screen).__name__ == "Screen"
+
+
+# -- record and replay ----------------------------------------------------------------------
+
+
+async def test_record_then_replay_with_pause_and_speed(tmp_path):
+    from pagectl.tui.recording import read_recording
+    from pagectl.tui.replay_source import ReplaySource
+
+    path = str(tmp_path / "incident.pctl")
+    snaps = idle_snapshots()
+    src = FakeSource(clock=Clock())
+    for snap in snaps:
+        src.push(snap, received_at=snap.time)  # received one second apart
+    app = PagectlTop(src, clock=Clock(), record_path=path)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app, len(snaps))
+    recorded = list(read_recording(path))
+    assert [decode_seq(data) for _, data in recorded] == [s.seq for s in snaps]
+
+    replay = ReplaySource(path)  # snapshots 1 s apart, played in real time
+    app = PagectlTop(replay)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app, 1)
+        assert app.check_action("toggle_prefix_caching", ()) is None  # a replay is read-only
+        assert app.check_action("speed", ()) is True
+        await pilot.press("space")
+        assert replay.paused and app.link.state == "replay paused"
+        await pilot.press("less_than_sign")
+        assert replay.speed == 0.5
+        await pilot.press(*["greater_than_sign"] * 7)
+        assert replay.speed == 64.0
+        await pilot.press("space")
+        await wait_for_frames(pilot, app, len(snaps))
+        assert app.snapshot.seq == snaps[-1].seq
+        assert "replay incident.pctl" in text_of(app.header_panel)
+
+
+def decode_seq(data: bytes) -> int:
+    from pagectl.engine.telemetry import decode_snapshot
+
+    return decode_snapshot(data).seq
+
+
+async def wait_for_frames(pilot, app: PagectlTop, seq: int) -> None:
+    for _ in range(500):
+        if app.snapshot is not None and app.snapshot.seq >= seq:
+            return
+        await pilot.pause(0.01)
+
+
+def test_cli_refuses_contradictory_flags(tmp_path, capsys):
+    from pagectl.cli import main
+
+    assert main(["top", "--replay", str(tmp_path / "missing.pctl")]) == 2
+    assert "no such recording" in capsys.readouterr().out
+    assert main(["top", "--replay", "a", "--record", "b"]) == 2
+    assert main(["top", "--control", "ipc:///x"]) == 2
