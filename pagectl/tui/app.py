@@ -331,7 +331,11 @@ class PagectlTop(App[None]):
         self._update_spotlight()
 
     def on_block_map_view_cursor_moved(self, event: BlockMapView.CursorMoved) -> None:
-        self.selection = None if event.first is None else (event.first, event.last)
+        self.selection = (
+            None
+            if event.first is None
+            else (event.first, event.last if event.last is not None else event.first)
+        )
         self.inspection = None
         self._refresh_detail()
         if event.first is not None and event.first == event.last and self.control_ready:

@@ -142,7 +142,7 @@ class ZmqSource:
 
     async def next_frame(self, timeout: float) -> Frame | None:
         sub = self._sub
-        if sub is not None and await sub.poll(timeout * 1000, zmq.POLLIN):
+        if sub is not None and await sub.poll(int(timeout * 1000)):
             data = await sub.recv(copy=True)
             self._last_activity = time.monotonic()
             return Frame(data, time.time())
@@ -173,7 +173,7 @@ class ZmqSource:
             try:
                 await asyncio.wait_for(dealer.send(encode(req)), self.command_timeout)
                 while (remaining := deadline - time.monotonic()) > 0:
-                    if not await dealer.poll(remaining * 1000, zmq.POLLIN):
+                    if not await dealer.poll(int(remaining * 1000)):
                         break
                     reply = decode_reply(await dealer.recv())
                     if reply.id != req.id:

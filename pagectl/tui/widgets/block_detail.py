@@ -141,8 +141,8 @@ def render_detail(
     t.append("\n")
     tokens = res.get("token_ids") or []
     t.append("tokens ", style="#8b949e")
-    shown = ", ".join(str(x) for x in tokens[:24])
-    t.append(f"[{shown}{', …' if len(tokens) > 24 else ''}]" if tokens else "none")
+    listed = ", ".join(str(x) for x in tokens[:24])
+    t.append(f"[{listed}{', …' if len(tokens) > 24 else ''}]" if tokens else "none")
     text = res.get("text")
     if text:
         t.append("\n")

@@ -60,7 +60,7 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
     if snap is not None:
         cfg = snap.config
         t.append("   budget ", style="#8b949e")
-        t.append(f"{fmt.count(cfg.get('max_num_batched_tokens', 0))} tok/step", style="bold")
+        t.append(f"{fmt.count(int(cfg.get('max_num_batched_tokens', 0)))} tok/step", style="bold")
         t.append(" · max seqs ", style="#8b949e")
         t.append(f"{cfg.get('max_num_seqs', '?')}", style="bold")
         t.append(" · prefix cache ", style="#8b949e")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
 from textual.binding import Binding
@@ -22,7 +23,7 @@ class Column:
     key: str
     label: str
     # Sort key; cells are right-aligned numbers unless ``text``.
-    sort: Callable[[RequestRow], object]
+    sort: Callable[[RequestRow], Any]
     cell: Callable[[RequestRow], str]
     text: bool = False
 
