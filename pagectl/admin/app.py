@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class ServerSettings:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     # Seconds a client is told to wait after a 503 for overload.
     retry_after_s: int = 1
+    # A local tokenizer directory to start loading before the engine's handshake names it.
+    tokenizer_hint: str | None = None
 
 
 @dataclass
@@ -161,16 +164,37 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
+def _load_tokenizer(path: str) -> Any:
+    from pagectl.engine.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except Exception:  # a failed preload is retried from the handshake's path
+        log.debug("tokenizer preload from %s failed", path, exc_info=True)
+        return None
+
+
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     """Start the engine before the server listens; shut it down after the server closed."""
     state = app[STATE]
-    ready = await state.engine.start()
+    loop = asyncio.get_running_loop()
+    hint = state.settings.tokenizer_hint
+    # The tokenizer loads (seconds: transformers import) while the engine builds.
+    preload = loop.run_in_executor(None, _load_tokenizer, hint) if hint else None
+    try:
+        ready = await state.engine.start()
+    except BaseException:
+        if preload is not None:
+            await asyncio.gather(preload, return_exceptions=True)
+        raise
     tokenizer = None
     if ready.tokenizer_path:
-        from pagectl.engine.tokenizer import load_tokenizer
+        if preload is not None and os.path.realpath(hint) == os.path.realpath(ready.tokenizer_path):
+            tokenizer = await preload
+        if tokenizer is None:
+            from pagectl.engine.tokenizer import load_tokenizer
 
-        loop = asyncio.get_running_loop()
-        tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_path)
+            tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_path)
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
     state.facts = ModelFacts(name, ready.vocab_size, ready.max_model_len, tokenizer)

@@ -8,6 +8,7 @@ sends can raise out of here and stop the engine.
 from __future__ import annotations
 
 import hmac
+import typing
 from typing import Any
 
 import msgspec
@@ -16,6 +17,8 @@ from pagectl.admin.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo
 from pagectl.engine.commands import Command, CommandError
 
 _command_decoder = msgspec.msgpack.Decoder(Command)
+# The values of the "cmd" tag the daemon understands.
+COMMAND_NAMES = frozenset(t.__struct_config__.tag for t in typing.get_args(Command))
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -35,6 +38,15 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 def _error(req_id: int, kind: str, message: str) -> bytes:
     return _encoder.encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
+
+
+def _command_name(raw: msgspec.Raw) -> str | None:
+    try:
+        obj = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    name = obj.get("cmd") if isinstance(obj, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _guess_id(frame: bytes) -> int:
@@ -63,11 +75,13 @@ def handle_control(core: Any, token: str, frame: bytes) -> tuple[bytes, bool]:
         ), False
     try:
         cmd = _command_decoder.decode(env.command)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        kind = "unknown_command" if "tag" in msg.lower() else "bad_request"
-        return _error(env.id, kind, f"invalid command: {msg}"), False
-    except msgspec.DecodeError as e:
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        name = _command_name(env.command)
+        if name is not None and name not in COMMAND_NAMES:
+            known = ", ".join(sorted(COMMAND_NAMES))
+            return _error(
+                env.id, "unknown_command", f"unknown command {name!r}; known: {known}"
+            ), False
         return _error(env.id, "bad_request", f"invalid command: {e}"), False
     try:
         result = core.apply_command(cmd, env.client)

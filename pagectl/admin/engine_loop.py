@@ -198,6 +198,8 @@ class EngineLoop:
                     return self._die(e)
                 if outputs:
                     self._send(wire.OutputBatch(outputs))
+                if not core.has_unfinished():
+                    self._next_publish = 0.0  # idle now: /metrics and consoles see it at once
             if time.monotonic() >= self._next_publish:
                 self.publish()
         return 0

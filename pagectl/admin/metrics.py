@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagectl.admin.wire import EngineStats
+
+# No ``*_created`` series: they double the output and no dashboard here reads them.
+disable_created_metrics()
 
 TTFT_BUCKETS = (
     0.001,

@@ -24,14 +24,16 @@ from pagectl.admin.formatting import (
     send_event,
     start_sse,
 )
-from pagectl.admin.serving import Generation, Update
+from pagectl.admin.serving import EngineRequestError, Generation, Update
 from pagectl.admin.validation import GenerationSpec, parse_chat, parse_completion
 
 _json = msgspec.json.Encoder()
 
 
 def _api_error(e: EngineError) -> APIError:
-    if isinstance(e, RequestRejected):
+    if isinstance(e, (RequestRejected, EngineRequestError)):
+        # Refused by the engine's own checks, or unable to run at all (e.g. it needs more KV
+        # blocks than the pool has): a problem of this request, not of the server.
         return APIError(400, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", code="engine_dead")
