@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("--max-num-queued-requests must be >= 0")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
+    hint = args.tokenizer or args.model
     api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
         served_model_name=args.served_model_name,
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
+        tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
     )
     opts = DaemonOptions(
         engine_args=engine_args,
