@@ -59,7 +59,10 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         token_logprobs.append(clamp(lp.logprob))
-        top = {token_text(t): clamp(v) for t, v in lp.top}
+        # Different ids can share a text (e.g. lone UTF-8 bytes); keep the likelier one.
+        top: dict[str, float] = {}
+        for t, v in lp.top:
+            top.setdefault(token_text(t), clamp(v))
         top.setdefault(s, clamp(lp.logprob))
         top_logprobs.append(top)
     return {
