@@ -237,6 +237,7 @@ class LoopHarness:
             telemetry_interval=telemetry_interval,
         )
         self.rc = None
+        self.pending = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -247,12 +248,17 @@ class LoopHarness:
         self.to_engine.send(wire.encode(msg))
 
     def recv(self, kind, timeout=5.0):
+        """The next message of ``kind``; messages of other kinds are kept for later."""
+        for i, msg in enumerate(self.pending):
+            if isinstance(msg, kind):
+                return self.pending.pop(i)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.from_engine.poll(100):
                 msg = wire.decode_from_engine(self.from_engine.recv())
                 if isinstance(msg, kind):
                     return msg
+                self.pending.append(msg)
         raise TimeoutError(f"no {kind.__name__} from the engine loop")
 
     def close(self):
@@ -392,3 +398,12 @@ def test_a_failing_step_reports_dead_and_stops_the_loop(monkeypatch):
             assert snap.engine_state == "dead"
     finally:
         h.close()
+
+
+def test_admin_client_times_out_when_nobody_answers(tmp_path):
+    with AdminClient(f"ipc://{tmp_path}/nobody.sock", TOKEN) as c:
+        t0 = time.monotonic()
+        with pytest.raises(AdminError) as ei:
+            c.command(GetStatus(), timeout=0.3)
+    assert ei.value.kind == "timeout"
+    assert time.monotonic() - t0 < 2

@@ -169,6 +169,21 @@ def test_logprobs(client):
         # Greedy: the chosen token is the most likely one.
         assert chosen == pytest.approx(max(top.values()), abs=1e-5)
         assert chosen <= 0
+    echo = client.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=3,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body=NO_EOS,
+    )
+    lp = echo.choices[0].logprobs
+    n_prompt = echo.usage.prompt_tokens
+    assert echo.choices[0].text.startswith("Hello world")
+    assert len(lp.tokens) == n_prompt + 3
+    assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
     chat = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "hi"}],

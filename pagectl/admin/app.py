@@ -68,6 +68,22 @@ class ServerState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     start_time: float = field(default_factory=time.time)
 
+    # Set once the engine has started (before the server listens); handlers use these.
+    @property
+    def model(self) -> ModelFacts:
+        assert self.facts is not None, "the engine has not started"
+        return self.facts
+
+    @property
+    def engine_ready(self) -> wire.EngineReady:
+        assert self.ready is not None, "the engine has not started"
+        return self.ready
+
+    @property
+    def tokens(self) -> TokenText:
+        assert self.token_text is not None, "the engine has not started"
+        return self.token_text
+
     def check_admission(self) -> None:
         """503 (with Retry-After when overloaded) unless a new request may go in."""
         if self.draining:
@@ -164,6 +180,13 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _load_tokenizer(path: str) -> Any:
     from pagectl.engine.tokenizer import load_tokenizer
 
@@ -189,7 +212,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         raise
     tokenizer = None
     if ready.tokenizer_path:
-        if preload is not None and os.path.realpath(hint) == os.path.realpath(ready.tokenizer_path):
+        if preload is not None and hint and _same_path(hint, ready.tokenizer_path):
             tokenizer = await preload
         if tokenizer is None:
             from pagectl.engine.tokenizer import load_tokenizer

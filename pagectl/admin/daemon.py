@@ -156,19 +156,19 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
     port = runner.addresses[0][1] if runner.addresses else opts.port
     host = f"[{opts.host}]" if ":" in opts.host else opts.host
     url = f"http://{host}:{port}"
-    ready = state.ready
+    ready = state.engine_ready
     ddir.write_runtime(
         RuntimeInfo(
             pid=os.getpid(),
             start_time=time.time(),
-            model=state.facts.served_model_name,
+            model=state.model.served_model_name,
             http_url=url,
             telemetry_endpoint=ready.telemetry_endpoint,
             control_endpoint=ready.control_endpoint,
             token_file=str(ddir.token_file),
         )
     )
-    _say(f"serving {state.facts.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
+    _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
     if engine.dead is not None:  # died between handshake and now
         life.on_engine_dead(engine.dead)
     await life.stop.wait()

@@ -80,7 +80,7 @@ class EngineClient:
         # The sending side is a plain (blocking API) socket used only with NOBLOCK and no
         # high-water mark, so submit/abort are synchronous and never wait; the receiving
         # side is an asyncio socket read by one reader task.
-        sync_ctx = zmq.Context.shadow(self.ctx.underlying)
+        sync_ctx: zmq.Context = zmq.Context.shadow(self.ctx.underlying)
         push = sync_ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 0)

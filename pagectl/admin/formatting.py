@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -38,8 +39,8 @@ class TokenText:
 
 
 def completion_logprobs(
-    token_ids: list[int],
-    lps: list[TokenLogprobs | None],
+    token_ids: Sequence[int],
+    lps: Sequence[TokenLogprobs | None],
     token_text: TokenText,
     offset: int,
 ) -> dict[str, list]:

@@ -55,7 +55,7 @@ class _Format:
         self.state = state
         self.spec = spec
         self.gen = gen
-        self.model = state.facts.served_model_name
+        self.model = state.model.served_model_name
 
     def envelope(self, obj: str, choices: list) -> dict[str, Any]:
         return {
@@ -107,12 +107,12 @@ class _CompletionFormat(_Format):
         p = c.run.prompt
         if p.text is not None:
             return p.text
-        tok = self.state.facts.tokenizer
+        tok = self.state.model.tokenizer
         return tok.decode(p.token_ids) if tok is not None else ""
 
     def choices(self) -> list[dict]:
         out = []
-        tt = self.state.token_text
+        tt = self.state.tokens
         for c in self.gen.choices:
             text = c.detok.text
             lp = None
@@ -162,7 +162,7 @@ class _CompletionFormat(_Format):
         lp = None
         if self.spec.logprobs is not None and upd.logprobs:
             lp = completion_logprobs(
-                upd.token_ids, upd.logprobs, self.state.token_text, self.offsets[c.index]
+                upd.token_ids, upd.logprobs, self.state.tokens, self.offsets[c.index]
             )
             self.offsets[c.index] += sum(len(t) for t in lp["tokens"])
         choice = {
@@ -184,7 +184,7 @@ class _ChatFormat(_Format):
     def _logprobs(self, ids: list[int], lps: list) -> dict | None:
         if self.spec.logprobs is None:
             return None
-        return chat_logprobs(ids, lps, self.state.token_text, self.spec.logprobs)
+        return chat_logprobs(ids, lps, self.state.tokens, self.spec.logprobs)
 
     def choices(self) -> list[dict]:
         return [
@@ -260,7 +260,7 @@ async def _generate(
     state.check_admission()
     gen = Generation(
         state.engine,
-        state.facts.tokenizer,
+        state.model.tokenizer,
         spec,
         f"{fmt_cls.prefix}-{uuid.uuid4().hex}",
         state.metrics,
@@ -283,11 +283,11 @@ async def _generate(
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_completion(body, request.app[STATE].facts)
+    spec = parse_completion(body, request.app[STATE].model)
     return await _generate(request, spec, _CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_chat(body, request.app[STATE].facts)
+    spec = parse_chat(body, request.app[STATE].model)
     return await _generate(request, spec, _ChatFormat)

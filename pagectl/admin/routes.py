@@ -20,7 +20,7 @@ from pagectl.admin.validation import (
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    facts = state.facts
+    facts = state.model
     return web.json_response(
         {
             "object": "list",
@@ -30,7 +30,7 @@ async def models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": int(state.start_time),
                     "owned_by": "pagectl",
-                    "root": state.ready.model_path,
+                    "root": state.engine_ready.model_path,
                     "parent": None,
                     "max_model_len": facts.max_model_len,
                 }
@@ -55,7 +55,7 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
-    facts = request.app[STATE].facts
+    facts = request.app[STATE].model
     body = await read_body(request)
     check_model(body, facts)
     if facts.tokenizer is None:
@@ -75,7 +75,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [int]}`` -> ``{"prompt": text}``."""
-    facts = request.app[STATE].facts
+    facts = request.app[STATE].model
     body = await read_body(request)
     check_model(body, facts)
     if facts.tokenizer is None:

@@ -310,6 +310,7 @@ class DaemonProcess:
     def children(self) -> list[Any]:
         import psutil
 
+        assert self.proc is not None
         try:
             return psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
