@@ -11,7 +11,8 @@ Two sockets, both bound by the engine-core process:
   engine steps. A request without the right token gets ``error.kind == "unauthorized"``.
 
 The daemon writes a ``RuntimeInfo`` JSON file into the runtime directory at start so that
-``pagectl top`` / ``pagectl ctl`` find it with no arguments.
+``pagectl top`` / ``pagectl ctl`` find it with no arguments. The full contract, precise
+enough to write another client, is docs/ADMIN_PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class ControlRequest(msgspec.Struct, kw_only=True):
 
 
 class ErrorInfo(msgspec.Struct):
-    # unauthorized | invalid_value | unknown_setting | unknown_command | not_found |
-    # bad_request | engine_dead | timeout
+    # Sent by the daemon: unauthorized | bad_request | unknown_command | unknown_setting |
+    # invalid_value | not_found | internal. Clients may add their own, never sent on the
+    # wire (pagectl.admin.client: timeout, no_token). See docs/ADMIN_PROTOCOL.md.
     kind: str
     message: str
 
