@@ -6,7 +6,8 @@ Per layer and step:
 2. decode rows (one query each, sorted by length) are attended in a few groups: each group
    gathers its sequences' blocks with one ``index_select`` per K and V (padded to the group's
    longest sequence; sorting keeps the padding small) and runs one batched SDPA with a length
-   mask. Groups are capped in size so the gathered K/V stays cache-resident on CPU;
+   mask, the query heads of each KV head stacked as rows (GQA without re-reading K/V). Groups
+   are capped in size so the gathered K/V stays cache-resident on CPU;
 3. prefill rows run one SDPA per sequence: a fresh prompt attends to its own new K/V
    directly (causal, no gather); a chunk with cached context gathers only that sequence's
    blocks and uses a causal mask offset by the context length.
@@ -66,7 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         super().__init__(device)
         # Most key positions (sequences x padded length) gathered at once for decode rows.
         if decode_group_tokens is None:
-            decode_group_tokens = 8192 if device.type == "cpu" else 1 << 22
+            decode_group_tokens = 2048 if device.type == "cpu" else 1 << 22
         self.decode_group_tokens = decode_group_tokens
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -128,19 +129,21 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[-2]
         gqa = num_heads != num_kv_heads
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        group = num_heads // num_kv_heads
         for g in state.decode_groups:
             n = g.end - g.start
             keys = k_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
             values = v_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
+            # The query heads sharing a KV head form a G-row "query" over that head (one
+            # position, so no causal mask): each K/V head is read once, not G times.
             o = F.scaled_dot_product_attention(
-                q[g.start : g.end].unsqueeze(2),
+                q[g.start : g.end].view(n, num_kv_heads, group, head_dim),
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
                 attn_mask=g.mask,
                 scale=scale,
-                enable_gqa=gqa,
             )
-            out[g.start : g.end] = o.squeeze(2)
+            out[g.start : g.end] = o.view(n, num_heads, head_dim)
         for p in state.prefills:
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
             if p.blocks is None:

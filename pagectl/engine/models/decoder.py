@@ -222,6 +222,17 @@ class DecoderForCausalLM(nn.Module):
             attn.kv_cache = cache
             attn.backend = backend
 
+    def pack_for_cpu(self) -> int:
+        """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``).
+
+        Returns how many layers were packed. Weights cannot be reloaded afterwards.
+        """
+        return sum(
+            1
+            for m in self.modules()
+            if hasattr(m, "pack_for_cpu") and m is not self and m.pack_for_cpu()
+        )
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

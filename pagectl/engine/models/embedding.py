@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagectl.engine.models.linear import _pack_cpu_weight, packed_linear
 from pagectl.engine.models.parallel import SINGLE, TPGroup
 from pagectl.engine.models.weights import copy_checked, read
 
@@ -55,12 +56,31 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; shares its parameter with the embedding when tied."""
 
+    _packed: torch.Tensor | None = None
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self._tied = True
+
+    def pack_for_cpu(self) -> bool:
+        """Use a oneDNN-packed copy of the weight on CPU (the plain one is freed unless the
+        embedding shares it). Returns whether it did."""
+        if self._packed is not None:
+            return True
+        packed = _pack_cpu_weight(self.weight.data)
+        if packed is None:
+            return False
+        self._packed = packed
+        if not getattr(self, "_tied", False):
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary, in float32, for the given hidden rows."""
-        logits = F.linear(hidden, self.weight)
+        if self._packed is not None:
+            logits = packed_linear(hidden, self._packed)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[..., : self.num_embeddings]
         return logits.float()

@@ -12,6 +12,10 @@
 Every parameter carries ``weight_loader(param, loaded, shard_id)``, which copies this rank's
 part of a checkpoint tensor (or lazy slice) into it. Parameters are created uninitialised:
 the loader fills all of them.
+
+On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a layer's weight into
+oneDNN's blocked layout and frees the plain copy: oneDNN's matmul is 2-3x faster than the
+default BLAS path for the skinny and mid-size matmuls of a serving step.
 """
 
 from __future__ import annotations
@@ -30,7 +34,66 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+def _pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout, or None when unavailable or not bit-compatible.
+
+    Checked once on a small input against ``F.linear`` so a torch build without the oneDNN
+    ops, or one that behaves differently, silently keeps the plain path.
+    """
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
+        x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        want = F.linear(x, weight)
+    except Exception:  # op missing or unsupported in this build
+        return None
+    tol = 1e-3 if weight.dtype == torch.float32 else 5e-2
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+        return None
+    return packed
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W^T + b`` with W prepacked by ``_pack_cpu_weight`` (2-D ``x``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class _PackableLinear(nn.Module):
+    """Holds the optional oneDNN-packed weight shared by the linear layers."""
+
+    weight: nn.Parameter
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Switch to the packed CPU path; frees the plain weight. Returns whether it did."""
+        if self._packed is not None:
+            return True
+        packed = _pack_cpu_weight(self.weight.data)
+        if packed is None:
+            return False
+        self._packed = packed
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, self.weight, bias)
+        if x.dim() == 2:
+            return packed_linear(x, self._packed, bias)
+        y = packed_linear(x.reshape(-1, x.shape[-1]), self._packed, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class ColumnParallelLinear(_PackableLinear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(
@@ -59,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, read(loaded, 0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -138,7 +201,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), read(loaded, 0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackableLinear):
     """y = all_reduce(x_rank W_rank^T) + b with W's columns (input features) split."""
 
     def __init__(
@@ -172,7 +235,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, read(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -74,6 +74,8 @@ class ModelRunner:
             dtype,
             device,
         )
+        if device.type == "cpu":
+            model.pack_for_cpu()
         self.backend = select_backend(attention_backend, device, block_size, dtype)
         model.bind_kv_cache(self.kv.layer_caches(), self.backend)
         model.rotary_emb.ensure_cache(max_model_len, device)
