@@ -72,7 +72,7 @@ def stream_lines(url: str, body: dict, headers: dict | None = None):
 
 @pytest.fixture(scope="module")
 def drain_daemon(tmp_path_factory):
-    d = start(tmp_path_factory, "--max-num-queued-requests", "2", "--drain-timeout", "3")
+    d = start(tmp_path_factory, "--max-num-queued-requests", "2", "--drain-timeout", "8")
     yield d
     d.kill()
 
@@ -119,7 +119,7 @@ def test_sigterm_drains_then_exits_zero_leaving_nothing(drain_daemon):
     # One request running (long), one queued behind a paused admission: the drain lets the
     # first finish and aborts the second at the drain timeout.
     resp, lines = stream_lines(
-        d.base_url, {"prompt": "running", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        d.base_url, {"prompt": "running", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     )
     first = next(ln for ln in lines if ln.startswith(b"data: {"))
     assert d.ctl("pause").returncode == 0
@@ -134,7 +134,10 @@ def test_sigterm_drains_then_exits_zero_leaving_nothing(drain_daemon):
         )
     )
     t.start()
-    time.sleep(0.3)
+    for _ in range(100):
+        if json.loads(d.ctl("status", "--json").stdout)["num_waiting"] == 1:
+            break
+        time.sleep(0.05)
     os.kill(d.proc.pid, signal.SIGTERM)
     time.sleep(0.3)
     # Draining: new work and health checks get 503.
@@ -143,7 +146,7 @@ def test_sigterm_drains_then_exits_zero_leaving_nothing(drain_daemon):
     assert requests.get(d.base_url + "/health", timeout=10).status_code == 503
     # The running stream completes with all its tokens.
     chunks = [first] + [ln for ln in lines if ln.startswith(b"data: {")]
-    assert len(chunks) == 300
+    assert len(chunks) == 100
     assert json.loads(chunks[-1][6:])["choices"][0]["finish_reason"] == "length"
     t.join(30)
     assert queued["r"].status_code == 200

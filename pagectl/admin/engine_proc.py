@@ -167,7 +167,8 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
         for s in (pub, router, inp):
             if s is not None:
                 s.close(linger=0)
-        out.close()
+        # Flush the last messages to a live parent; drop them for a dead one.
+        out.close(linger=0 if stop.is_set() else 2000)
         ctx.term()
 
 
