@@ -126,12 +126,22 @@ async def serve(opts: DaemonOptions) -> int:
         runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
         )
+        # A signal during start-up (the engine may take minutes to load) stops cleanly.
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, main.cancel)
         try:
             await runner.setup()
         except EngineStartError as e:
             _say(f"the engine failed to start: {e}")
             await engine.shutdown(5.0)
             return 1
+        except asyncio.CancelledError:
+            _say("stopped during start-up")
+            await engine.shutdown(5.0)
+            return 0
         try:
             return await _run(opts, ddir, app, runner, engine)
         finally:

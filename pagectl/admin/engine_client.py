@@ -142,8 +142,11 @@ class EngineClient:
     async def shutdown(self, timeout: float = 10.0) -> int | None:
         """Ask the engine to exit, wait for it (kill it after ``timeout``); close sockets."""
         self._closing = True
-        if self.proc is not None and self.proc.poll() is None and self.dead is None:
-            self._send(wire.Shutdown())
+        if self.proc is not None and self.proc.poll() is None:
+            if self.ready is None:
+                self.proc.terminate()  # still loading: nothing to drain, no loop to ask
+            elif self.dead is None:
+                self._send(wire.Shutdown())
         rc = await self._reap(timeout)
         for task in self._tasks:
             task.cancel()
