@@ -179,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
         return fail("--max-num-queued-requests must be >= 0")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
-    hint = args.tokenizer or args.model
+    # Where the tokenizer will come from, so the API server can load it while the engine
+    # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
+    builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
+    hint = args.tokenizer or args.model or builtin
     api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
         served_model_name=args.served_model_name,
