@@ -74,12 +74,22 @@ def _onoff(v: object) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
+def _size(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if x < 1024:
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
+
+
 def format_status(s: dict) -> str:
     kv, c, cfg = s["kv"], s["counters"], s["config"]
     q, h = c["prefix_queries"], c["prefix_hits"]
     lines = [
         f"engine    {s['engine_state']}  model {s['model']} ({s['device']}, {s['dtype']}, "
-        f"tp {s['tp_size']})  uptime {s['uptime_s']:.0f}s",
+        f"tp {s['tp_size']}, KV {_size(s.get('kv_bytes_per_rank', 0))} per rank)  "
+        f"uptime {s['uptime_s']:.0f}s",
         "config    "
         + "  ".join(
             f"{k}={_onoff(cfg[k])}"
