@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import traceback
@@ -175,18 +176,13 @@ class EngineLoop:
         """Loop until Shutdown (returns 0), parent death (0) or a fatal step error (1)."""
         core = self.core
         while not self._shutdown and not self.stop_event.is_set():
-            busy = core.has_unfinished()
-            if busy:
-                timeout_ms = 0
-            else:
+            # Busy: only peek at the sockets. Idle: sleep in poll until a message arrives or
+            # the next snapshot is due.
+            timeout_ms = 0
+            if not core.has_unfinished():
                 wait = self._next_publish - time.monotonic()
-                timeout_ms = int(min(max(wait, 0.0), 0.1) * 1000)
-            if timeout_ms == 0:
-                # Nothing to wait for: peek without blocking.
-                events = self.poller.poll(0)
-            else:
-                events = self.poller.poll(timeout_ms)
-            if events:
+                timeout_ms = math.ceil(min(max(wait, 0.0), 0.1) * 1000)
+            if self.poller.poll(timeout_ms):
                 self._drain_inputs()
                 self._serve_control()
             if self._shutdown:
