@@ -8,6 +8,7 @@ plain HTTP error. An error after the stream started is sent as an ``{"error": ..
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -242,8 +243,14 @@ async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
         if resp is None:
             raise
         err = _api_error(e)
-        await send_event(resp, error_body(err.message, err.type, err.param, err.code))
-        await send_done(resp)
+        with contextlib.suppress(ConnectionResetError):
+            await send_event(resp, error_body(err.message, err.type, err.param, err.code))
+            await send_done(resp)
+        return resp
+    except ConnectionResetError:
+        # The client went away mid-stream; _generate's cleanup aborts the request.
+        if resp is None:
+            raise
         return resp
     if resp is None:
         resp = await start_sse(request)
