@@ -103,14 +103,15 @@ class TorchPagedAttention(AttentionBackend):
             q_start, q_end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(seq_lens[i])
             ctx = seq_len - (q_end - q_start)
-            blocks = mask = None
+            seq_blocks: torch.Tensor | None = None
+            causal: torch.Tensor | None = None
             if ctx > 0:
                 nb = -(-seq_len // bs)
-                blocks = torch.from_numpy(np.ascontiguousarray(tables[i, :nb])).to(dev)
+                seq_blocks = torch.from_numpy(np.ascontiguousarray(tables[i, :nb])).to(dev)
                 rows = ctx + np.arange(q_end - q_start)
-                m = np.arange(seq_len)[None, :] <= rows[:, None]
-                mask = torch.from_numpy(m).to(dev, non_blocking=True)
-            prefills.append(PrefillSeq(q_start, q_end, seq_len, ctx, blocks, mask))
+                visible = np.arange(seq_len)[None, :] <= rows[:, None]
+                causal = torch.from_numpy(visible).to(dev, non_blocking=True)
+            prefills.append(PrefillSeq(q_start, q_end, seq_len, ctx, seq_blocks, causal))
         meta.backend_state = TorchAttentionState(groups, prefills)
 
     def forward(

@@ -41,7 +41,7 @@ STACKED_PARAMS = (
     ("up_proj", "gate_up_proj", 1),
 )
 # Every shard a fused parameter needs before it is complete.
-FUSED_SHARDS = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
+FUSED_SHARDS: dict[str, set] = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
 # Checkpoint entries that carry no weights we use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -211,7 +211,7 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[DecoderAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> None:
         """Give each attention layer its slice of the KV pool and the attention backend."""
@@ -227,11 +227,12 @@ class DecoderForCausalLM(nn.Module):
 
         Returns how many layers were packed. Weights cannot be reloaded afterwards.
         """
-        return sum(
-            1
-            for m in self.modules()
-            if hasattr(m, "pack_for_cpu") and m is not self and m.pack_for_cpu()
-        )
+        packed = 0
+        for m in self.modules():
+            pack = getattr(m, "pack_for_cpu", None)
+            if m is not self and pack is not None and pack():
+                packed += 1
+        return packed
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -282,8 +283,10 @@ class DecoderForCausalLM(nn.Module):
             )
         missing = []
         for name in params:
-            fused = next((f for f in FUSED_SHARDS if f".{f}." in name), None)
-            need = FUSED_SHARDS[fused] if fused else {None}
+            need: set = {None}
+            for fused, shards in FUSED_SHARDS.items():
+                if f".{fused}." in name:
+                    need = shards
             if not need <= done.get(name, set()):
                 missing.append(name)
         if missing:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagectl.engine.models.linear import _pack_cpu_weight, packed_linear
+from pagectl.engine.models.linear import pack_cpu_weight, packed_linear
 from pagectl.engine.models.parallel import SINGLE, TPGroup
-from pagectl.engine.models.weights import copy_checked, read
+from pagectl.engine.models.weights import copy_checked, read, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         n = max(self.vocab_end - self.vocab_start, 0)
@@ -67,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding shares it). Returns whether it did."""
         if self._packed is not None:
             return True
-        packed = _pack_cpu_weight(self.weight.data)
+        packed = pack_cpu_weight(self.weight.data)
         if packed is None:
             return False
         self._packed = packed

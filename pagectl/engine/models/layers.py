@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagectl.engine.models.weights import default_weight_loader
+from pagectl.engine.models.weights import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=params_dtype), requires_grad=False
         )
-        self.weight.weight_loader = default_weight_loader
+        set_weight_loader(self.weight, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -27,14 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagectl.engine.models.parallel import SINGLE, TPGroup, divide
-from pagectl.engine.models.weights import copy_checked, read, shape_of
+from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` in oneDNN's blocked layout, or None when unavailable or not bit-compatible.
 
     Checked once on a small input against ``F.linear`` so a torch build without the oneDNN
@@ -60,7 +60,7 @@ def _pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W^T + b`` with W prepacked by ``_pack_cpu_weight`` (2-D ``x``)."""
+    """``x @ W^T + b`` with W prepacked by ``pack_cpu_weight`` (2-D ``x``)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -77,7 +77,7 @@ class _PackableLinear(nn.Module):
         """Switch to the packed CPU path; frees the plain weight. Returns whether it did."""
         if self._packed is not None:
             return True
-        packed = _pack_cpu_weight(self.weight.data)
+        packed = pack_cpu_weight(self.weight.data)
         if packed is None:
             return False
         self._packed = packed
@@ -110,10 +110,10 @@ class ColumnParallelLinear(_PackableLinear):
         self.output_size = output_size
         self.output_size_per_rank = divide(output_size, tp.size, "output features")
         self.weight = _param(self.output_size_per_rank, input_size, dtype=params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = _param(self.output_size_per_rank, dtype=params_dtype)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -219,11 +219,11 @@ class RowParallelLinear(_PackableLinear):
         self.output_size = output_size
         self.reduce_results = reduce_results
         self.weight = _param(output_size, self.input_size_per_rank, dtype=params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             # Replicated: added once after the reduction.
             self.bias = _param(output_size, dtype=params_dtype)
-            self.bias.weight_loader = self.bias_loader
+            set_weight_loader(self.bias, self.bias_loader)
         else:
             self.register_parameter("bias", None)
 

@@ -48,6 +48,8 @@ def _llama3_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     low = rope.extra.get("low_freq_factor", 1.0)
     high = rope.extra.get("high_freq_factor", 4.0)
     old_len = rope.original_max_position_embeddings
+    if old_len is None:
+        raise ValueError("llama3 rope needs original_max_position_embeddings")
     low_wavelen = old_len / low
     high_wavelen = old_len / high
     wavelen = 2 * math.pi / inv_freq

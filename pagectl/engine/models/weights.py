@@ -48,6 +48,11 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
     dst.copy_(src)
 
 
+def set_weight_loader(param: torch.Tensor, loader: Any) -> None:
+    """Attach ``loader(param, loaded, shard_id)`` to ``param`` (read by ``load_weights``)."""
+    setattr(param, "weight_loader", loader)  # noqa: B010 (a dynamic attribute on purpose)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
     """Copy a replicated parameter whole."""
     copy_checked(param.data, read(loaded))
