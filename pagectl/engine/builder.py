@@ -75,7 +75,7 @@ class BuiltEngine:
         if isinstance(runner, ModelRunner):
             for layer in runner.model.attention_layers:
                 layer.kv_cache = None
-            runner.kv.tensor = torch.empty(0)
+            runner.kv.release()
             runner.cuda_graphs = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

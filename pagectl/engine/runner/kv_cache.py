@@ -1,8 +1,10 @@
 """The KV pool's tensors and how big they may be.
 
 Layout: one tensor ``[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]``
-allocated once at start (zero-filled: masked padding still flows through attention matmuls,
-so every slot must hold a finite value). Index 0 of dim 1 holds keys, 1 values; per layer the
+allocated once at start, zero-filled: masked padding still flows through attention matmuls,
+so every slot must hold a finite value. On CPU the memory is an anonymous mapping, which the
+OS hands out zero-filled and commits page by page on first write: a large pool costs nothing
+until it is used. Index 0 of dim 1 holds keys, 1 values; per layer the
 ``[num_blocks + 1, block_size, kv_heads, head_dim]`` halves are exactly flash-attn's paged
 layout. Block ids ``[0, num_blocks)`` are the scheduler's; block ``num_blocks`` is the scratch
 block: padding rows write there and padded block-table entries point there. No sequence ever
@@ -16,6 +18,7 @@ an explicit ``num_kv_blocks``; else ``kv_cache_memory`` bytes; else on CUDA the
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import torch
@@ -76,19 +79,26 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
-        self.tensor = torch.zeros(
-            num_layers,
-            2,
-            num_blocks + 1,
-            block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        # Keeps the CPU mapping alive as long as the tensor views it.
+        self._mapping: mmap.mmap | None = None
+        if device.type == "cpu":
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            self._mapping = mmap.mmap(-1, max(nbytes, 1))
+            self.tensor = torch.frombuffer(self._mapping, dtype=dtype, count=numel).view(shape)
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = kv_bytes_per_block(
             num_layers, block_size, num_kv_heads, head_dim, dtype
         )
+
+    def release(self) -> None:
+        """Drop the KV memory (the pool is unusable afterwards)."""
+        self.tensor = torch.empty(0)
+        self._mapping = None
 
     @property
     def num_bytes(self) -> int:
