@@ -63,9 +63,9 @@ def fake_tokens(engine: InProcessEngine, prompt: list[int], n: int, index: int =
 
 
 def decoded(tok, ids: list[int]) -> str:
-    """The text the API should return for ``ids``. A trailing incomplete UTF-8 sequence is
-    held back by the incremental detokenizer and not emitted at the end."""
-    return tok.decode(ids).rstrip("\ufffd")
+    """The text the API should return for ``ids``: exactly a full decode (a trailing
+    incomplete UTF-8 sequence is flushed as replacement characters at the end)."""
+    return tok.decode(ids)
 
 
 def kv_idle(engine: InProcessEngine) -> bool:

@@ -71,3 +71,11 @@ def test_chat_template(tok):
 def test_dir_without_tokenizer_files_loads_none(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert load_tokenizer(tmp_path) is None
+
+
+def test_incomplete_utf8_at_the_end_is_flushed(tok):
+    ids = tok("ok ✓").input_ids
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    out = "".join(d.push([t]) for t in ids[:-1])  # stop in the middle of the ✓ bytes
+    out += d.flush()
+    assert out == d.text == tok.decode(ids[:-1])

@@ -46,7 +46,7 @@ def engine_stats(core: Any) -> wire.EngineStats:
         num_used_blocks=pool.num_used_blocks,
         num_cached_free_blocks=pool.num_cached_free_blocks,
         num_token_slots=pool.num_blocks * pool.block_size,
-        num_used_token_slots=core._used_token_slots(),
+        num_used_token_slots=core.used_token_slots(),
         counters=sched.counters,
         config=sched.live_config(),
     )

@@ -86,7 +86,6 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-        arrival_time: float | None = None,
     ) -> Request:
         """Validate and build a request. Raises ``ValueError`` with a clear message."""
         if not prompt_token_ids:
@@ -120,7 +119,6 @@ class EngineCore:
             max_model_len=self.max_model_len,
             priority=priority,
             cache_salt=cache_salt,
-            arrival_time=None,
         )
 
     def add_request(
@@ -146,7 +144,6 @@ class EngineCore:
             sp,
             priority=er.priority,
             cache_salt=er.cache_salt,
-            arrival_time=er.arrival_time,
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -213,7 +210,7 @@ class EngineCore:
         sched = self.scheduler
         kv = sched.kv
         pool = kv.pool
-        used_slots = self._used_token_slots()
+        used_slots = self.used_token_slots()
         total_slots = pool.num_blocks * pool.block_size
         c = sched.counters
         return {
@@ -315,7 +312,8 @@ class EngineCore:
     def _live_requests(self) -> list[Request]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
 
-    def _used_token_slots(self) -> int:
+    def used_token_slots(self) -> int:
+        """Token slots holding computed tokens in blocks in use (shared blocks counted once)."""
         pool = self.scheduler.kv.pool
         bs = pool.block_size
         empty: dict[int, int] = {}
@@ -375,7 +373,7 @@ class EngineCore:
             num_free_blocks=pool.num_free_blocks,
             num_cached_free_blocks=pool.num_cached_free_blocks,
             num_used_blocks=pool.num_used_blocks,
-            num_used_token_slots=self._used_token_slots(),
+            num_used_token_slots=self.used_token_slots(),
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             requests=rows,

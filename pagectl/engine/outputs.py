@@ -81,7 +81,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     # Requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = None
-    # Wall-clock arrival (time.time()) at the API server, for latency metrics.
+    # Wall-clock arrival (time.time()) at the API server. The engine measures ages with its
+    # own monotonic clock; this is carried for logs and diagnostics.
     arrival_time: float | None = None
 
 

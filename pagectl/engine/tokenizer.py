@@ -90,9 +90,13 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(toks)
-        if not self.stop:
-            self.text += delta
+        self._append(delta)
+        if self.stop_hit is not None or not self.stop:
             return self._take(len(self.text))
+        return self._take(len(self.text) - self._hold)
+
+    def _append(self, delta: str) -> None:
+        """Add decoded text and look for a stop string in what could newly match."""
         search_from = max(0, len(self.text) - self._hold)
         self.text += delta
         best = None
@@ -104,11 +108,24 @@ class IncrementalDetokenizer:
             i, s = best
             self.stop_hit = s
             self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-            return self._take(len(self.text))
-        return self._take(len(self.text) - self._hold)
 
     def flush(self) -> str:
-        """At the end of the sequence: whatever was held back."""
+        """At the end of the sequence: whatever was held back.
+
+        Tokens that ended inside an incomplete UTF-8 sequence are decoded now (with
+        replacement characters), so the final text equals a full decode of the output.
+        """
+        if (
+            self.tokenizer is not None
+            and self.stop_hit is None
+            and self._read_offset < len(self._tokens)
+        ):
+            toks = self._tokens
+            prefix_text = self._decode(toks[self._prefix_offset : self._read_offset])
+            full_text = self._decode(toks[self._prefix_offset :])
+            self._prefix_offset = self._read_offset = len(toks)
+            if len(full_text) > len(prefix_text):
+                self._append(full_text[len(prefix_text) :])
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
