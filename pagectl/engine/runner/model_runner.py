@@ -115,7 +115,9 @@ class ModelRunner:
         self.backend.prepare(batch.meta)
         t1 = self._tick()
         hidden = self._forward(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        logits = None
+        if batch.logits_rows.numel():  # a step of mid-prompt chunks needs no logits
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
         t2 = self._tick()
         out = self._sample(so, batch, logits)
         t3 = self._tick()
@@ -138,10 +140,12 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     def _sample(
-        self, so: SchedulerOutput, batch: StepBatch, logits: torch.Tensor
+        self, so: SchedulerOutput, batch: StepBatch, logits: torch.Tensor | None
     ) -> ModelRunnerOutput:
         seqs = so.seqs
         sampled = [-1] * len(seqs)
+        if logits is None:
+            return ModelRunnerOutput(sampled)
         logprobs: list[TokenLogprobs | None] | None = None
         p = batch.num_prompt_logprob_rows
         if batch.sample_indices:
