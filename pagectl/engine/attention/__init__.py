@@ -24,7 +24,11 @@ def flash_attn_available() -> bool:
 
 
 def select_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype
+    name: str,
+    device: torch.device,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_bytes_per_token: int | None = None,
 ) -> AttentionBackend:
     """The attention backend for ``name`` on ``device``; raises ``ValueError`` if impossible.
 
@@ -34,7 +38,7 @@ def select_backend(
     if name not in ("auto", "torch", "flash"):
         raise ValueError(f"attention backend must be auto, torch or flash, got {name!r}")
     if name == "torch":
-        return TorchPagedAttention(device)
+        return TorchPagedAttention(device, kv_bytes_per_token=kv_bytes_per_token)
     reasons = []
     if device.type != "cuda":
         reasons.append(f"device is {device.type}, not cuda")
@@ -49,7 +53,7 @@ def select_backend(
     if reasons:
         if name == "flash":
             raise ValueError("cannot use the flash attention backend: " + "; ".join(reasons))
-        return TorchPagedAttention(device)
+        return TorchPagedAttention(device, kv_bytes_per_token=kv_bytes_per_token)
     from pagectl.engine.attention.flash import FlashPagedAttention
 
     return FlashPagedAttention(device)

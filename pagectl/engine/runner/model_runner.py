@@ -76,7 +76,8 @@ class ModelRunner:
         )
         if device.type == "cpu":
             model.pack_for_cpu()
-        self.backend = select_backend(attention_backend, device, block_size, dtype)
+        kv_token_bytes = 2 * attn.num_kv_heads * attn.head_dim * self.kv.tensor.element_size()
+        self.backend = select_backend(attention_backend, device, block_size, dtype, kv_token_bytes)
         model.bind_kv_cache(self.kv.layer_caches(), self.backend)
         model.rotary_emb.ensure_cache(max_model_len, device)
         rotary = model.rotary_emb
