@@ -369,3 +369,16 @@ def test_snapshot_reports_blocks_requests_and_fragmentation():
     from pagectl.engine.telemetry import decode_snapshot, encode_snapshot
 
     assert decode_snapshot(encode_snapshot(snap)) == snap
+
+
+def test_finished_ids_reach_the_runner_even_after_idle_steps():
+    runner = FakeRunner()
+    core = make_core(runner=runner)
+    core.add_request("a", [1, 2, 3], sp(50))
+    core.step()
+    core.abort_request("a")
+    core.step()  # nothing to run: the runner is not called
+    core.step()
+    core.add_request("b", [4, 5], sp(1))
+    core.step()
+    assert runner.steps[-1].finished_seq_ids == ["a"]

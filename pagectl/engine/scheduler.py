@@ -197,14 +197,17 @@ class Scheduler(LiveConfigMixin):
         if not preempted and not self.paused:
             self._admit(budget, seqs, counts, samples)
 
+        block_copies = kv.drain_copies()
         return SchedulerOutput(
             step_id=next(self._step_ids),
             seqs=seqs,
             num_scheduled_tokens=counts,
             sample=samples,
             total_num_scheduled_tokens=sum(counts),
-            block_copies=kv.drain_copies(),
-            finished_seq_ids=self._drain_finished_ids(),
+            block_copies=block_copies,
+            # Kept until a step runs: the runner learns of finished sequences only through
+            # an executed step.
+            finished_seq_ids=self._drain_finished_ids() if seqs or block_copies else [],
             preempted_seq_ids=[r.seq_id for r in preempted],
         )
 
