@@ -388,8 +388,8 @@ def test_serve_targets():
     from pagectl.bench.serve import serve_targets
 
     res = {
-        "pagectl": {"output_throughput": 300.0, "ttft_ms": {"p50": 50.0}},
-        "hf-serve": {"output_throughput": 90.0, "ttft_ms": {"p50": 40.0}},
+        "pagectl": {"completed": 4, "output_throughput": 300.0, "ttft_ms": {"p50": 50.0}},
+        "hf-serve": {"completed": 4, "output_throughput": 90.0, "ttft_ms": {"p50": 40.0}},
     }
     t = serve_targets(res)
     assert t["output_throughput_ratio"] == pytest.approx(300 / 90)
@@ -400,6 +400,14 @@ def test_serve_targets():
         ]
         is None
     )
+    # Every pagectl request failed: nothing to compare, not "0x".
+    failed = {"completed": 0, "output_throughput": 0.0, "ttft_ms": {"p50": float("nan")}}
+    t = serve_targets({"pagectl": failed, "hf-serve": res["hf-serve"]})
+    assert t == {
+        "output_throughput_ratio": None,
+        "output_throughput_met": None,
+        "ttft_p50_lower": None,
+    }
 
 
 def test_cli_parses_both_benches():

@@ -156,12 +156,17 @@ def served_model_name(base_url: str, headers: dict, fallback: str) -> str:
 def drive(
     base_url: str, payloads: list[dict], concurrency: int, headers: dict, timeout_s: float
 ) -> dict:
-    """Warm up with one short request, then run every payload; returns the metrics."""
+    """Warm up with one short request, then run every payload; returns the metrics.
+
+    A server whose warm-up request fails is reported as skipped, with the error.
+    """
     from pagectl.bench.client import run_clients
 
     url = base_url + "/v1/completions"
     warm = dict(payloads[0], max_tokens=2)
-    asyncio.run(run_clients(url, [warm], 1, headers=headers, request_timeout_s=timeout_s))
+    done, _ = asyncio.run(run_clients(url, [warm], 1, headers=headers, request_timeout_s=timeout_s))
+    if not done or not done[0].ok:
+        return {"skipped": f"warm-up request failed: {done[0].error if done else 'no answer'}"}
     timings, duration = asyncio.run(
         run_clients(url, payloads, concurrency, headers=headers, request_timeout_s=timeout_s)
     )
@@ -271,8 +276,12 @@ def _run_transformers_serve(
 
 
 def serve_targets(results: dict) -> dict:
-    pc = results.get("pagectl") or {}
-    hf = results.get("hf-serve") or {}
+    def measured(m: dict | None) -> dict:
+        # A server with no completed request has no figures to compare.
+        return m if m and m.get("completed") else {}
+
+    pc = measured(results.get("pagectl"))
+    hf = measured(results.get("hf-serve"))
     out_ratio = ratio(pc.get("output_throughput"), hf.get("output_throughput"))
     ttft_pc = (pc.get("ttft_ms") or {}).get("p50")
     ttft_hf = (hf.get("ttft_ms") or {}).get("p50")
