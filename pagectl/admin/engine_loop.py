@@ -10,7 +10,9 @@ Invariants:
 - Publishing never blocks: PUB drops when its small high-water mark is reached, and every
   send uses NOBLOCK. A slow or dead console cannot slow the engine.
 - An exception inside ``step()`` is fatal: the engine reports ``dead`` (to the API server
-  and in a last snapshot) and the loop returns non-zero.
+  and in a last snapshot) and the loop returns non-zero. So is a failed health check of the
+  model executor (``executor.check_health()``, when it has one: a tensor-parallel worker that
+  died while the engine was idle), run every turn.
 """
 
 from __future__ import annotations
@@ -175,7 +177,13 @@ class EngineLoop:
     def run(self) -> int:
         """Loop until Shutdown (returns 0), parent death (0) or a fatal step error (1)."""
         core = self.core
+        check_health = getattr(getattr(core, "executor", None), "check_health", None)
         while not self._shutdown and not self.stop_event.is_set():
+            if check_health is not None:
+                try:
+                    check_health()
+                except Exception as e:  # fatal: report and stop
+                    return self._die(e, "engine failed")
             # Busy: only peek at the sockets. Idle: sleep in poll until a message arrives or
             # the next snapshot is due.
             timeout_ms = 0
@@ -200,8 +208,8 @@ class EngineLoop:
                 self.publish()
         return 0
 
-    def _die(self, exc: BaseException) -> int:
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
+    def _die(self, exc: BaseException, what: str = "engine step failed") -> int:
+        message = f"{what}: {type(exc).__name__}: {exc}"
         traceback.print_exc()
         self.core.state_override = "dead"
         self.core.scheduler.add_event("error", message)

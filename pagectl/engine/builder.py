@@ -8,6 +8,12 @@ The daemon and the offline ``LLM`` both call ``build_engine``. Sizing rules:
   at the token budget; else on CPU 2 GiB capped at a quarter of RAM;
 - ``max_model_len``: the argument, else the model's ``max_position_embeddings``; capped at the
   pool's token capacity (a longer sequence could never be held).
+
+Tensor parallelism: this process is rank 0; ``distributed.TPWorkers`` runs ranks 1..N-1.
+Every rank runs ``build_rank`` (load its shard, size its KV pool, build its runner); the
+sizes above are per rank (a ``kv_cache_memory`` budget is each rank's; the CPU default is
+split among the ranks of a machine) and all ranks take the smallest block count any of them
+can hold, since block ids are the same everywhere.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import torch
 from pagectl.engine.args import EngineArgs, parse_size
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.core import EngineCore
+from pagectl.engine.distributed.sync import NO_SYNC, RankSync
+from pagectl.engine.distributed.workers import TPWorkers, default_cpu_threads
 from pagectl.engine.loader import check_supported, load_model, resolve_dtype, resolve_model_path
 from pagectl.engine.model_config import ModelConfig
+from pagectl.engine.models.parallel import SINGLE, TPGroup, check_tp_split
 from pagectl.engine.runner.kv_cache import cuda_kv_bytes, default_cpu_kv_bytes, kv_bytes_per_block
 from pagectl.engine.runner.model_runner import ModelRunner
 from pagectl.engine.scheduler import Scheduler
@@ -68,48 +77,195 @@ class BuiltEngine:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # Ranks 1..N-1 of a tensor-parallel engine, and whether this engine started them (and so
+    # ends them at shutdown) or borrowed them.
+    tp_workers: TPWorkers | None = None
+    owns_tp_workers: bool = False
+    # torch's thread count before this engine changed it (restored at shutdown).
+    previous_num_threads: int | None = None
 
     def shutdown(self) -> None:
-        """Release the model and KV memory (idempotent)."""
+        """Release the model and KV memory and end the tensor-parallel workers this engine
+        started (idempotent; never raises for a dead worker)."""
         runner = self.core.executor
         if isinstance(runner, ModelRunner):
-            for layer in runner.model.attention_layers:
-                layer.kv_cache = None
-            runner.kv.release()
-            runner.cuda_graphs = None
+            runner.release()
+        workers = self.tp_workers
+        self.tp_workers = None
+        if workers is not None:
+            if self.owns_tp_workers:
+                workers.shutdown()
+            else:
+                workers.end_engine()
+        if self.previous_num_threads is not None:
+            torch.set_num_threads(self.previous_num_threads)
+            self.previous_num_threads = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def build_engine(args: EngineArgs) -> BuiltEngine:
-    """Load the model named by ``args`` and assemble scheduler, runner and engine core."""
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={args.tensor_parallel_size} is not available in this build "
-            "(single-device only)"
-        )
+@dataclass
+class RankBuild:
+    """One rank's share of an engine: its runner and the sizes every rank agreed on."""
+
+    runner: ModelRunner
+    dtype: torch.dtype
+    # KV bytes per block on this rank (its KV heads only).
+    kv_bytes_per_block: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> BuiltEngine:
+    """Load the model named by ``args`` and assemble scheduler, runner and engine core.
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 and ranks 1..N-1 run in
+    worker processes: started here (and ended by ``BuiltEngine.shutdown``), or the given
+    ``tp_workers`` of that size, which outlive the engine. A model that cannot be split over
+    N ranks fails here, before any process is started.
+    """
     path = resolve_model(args.model)
     mcfg = ModelConfig.from_dir(path)
     check_supported(mcfg)
     device = resolve_device(args.device)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    tp_size = args.tensor_parallel_size
+    previous_threads = None
+    if tp_size == 1:
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        rank = build_rank(args, path, mcfg, device)
+        workers, owned = None, False
+    else:
+        check_tp_split(
+            mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.intermediate_size, tp_size
+        )
+        if tp_workers is not None and tp_workers.size != tp_size:
+            raise ValueError(
+                f"tensor_parallel_size is {tp_size} but the given workers form a group of "
+                f"{tp_workers.size}"
+            )
+        owned = tp_workers is None
+        workers = tp_workers or TPWorkers.start(tp_size, device.type, device.index or 0)
+        try:
+            if device.type == "cpu":
+                previous_threads = torch.get_num_threads()
+                torch.set_num_threads(
+                    args.num_threads or default_cpu_threads(workers.rdzv.local_size)
+                )
+            enforce_eager = args.enforce_eager or workers.backend != "nccl"
+            workers.begin_engine(
+                {"engine_args": args.to_dict(), "model_path": path, "enforce_eager": enforce_eager}
+            )
+            rank = build_rank(
+                args,
+                path,
+                mcfg,
+                device,
+                tp=workers.tp_group,
+                sync=workers,
+                tp_driver=workers,
+                local_size=workers.rdzv.local_size,
+                enforce_eager=enforce_eager,
+            )
+        except BaseException as e:
+            # A worker that failed shows on rank 0 as a broken connection: name the worker.
+            err = workers.explain(e)
+            if previous_threads is not None:
+                torch.set_num_threads(previous_threads)
+            if owned:
+                workers.shutdown()
+            else:
+                workers.end_engine()
+            if err is e:
+                raise
+            raise err from e
+
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=rank.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=rank.max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
+        ),
+        CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=rank.num_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+    )
+    tokenizer = load_tokenizer(args.tokenizer or path)
+    eos = mcfg.eos_token_ids
+    if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos = (int(tokenizer.eos_token_id),)
+    name = args.served_model_name or args.model or BUILTIN_MODEL_NAME
+    info = ModelInfo(
+        model=name,
+        dtype=str(rank.dtype).removeprefix("torch."),
+        device=str(device),
+        tp_size=tp_size,
+        kv_bytes_per_block=rank.kv_bytes_per_block,
+        kv_bytes_per_rank=rank.kv_bytes_per_block * rank.num_blocks,
+        max_model_len=rank.max_model_len,
+    )
+    core = EngineCore(
+        scheduler,
+        rank.runner,
+        vocab_size=mcfg.vocab_size,
+        eos_token_ids=eos,
+        model_info=info,
+        tokenizer_decode=tokenizer.decode if tokenizer is not None else None,
+    )
+    return BuiltEngine(
+        core,
+        tokenizer,
+        name,
+        path,
+        mcfg.vocab_size,
+        rank.max_model_len,
+        tuple(eos),
+        tp_workers=workers,
+        owns_tp_workers=owned,
+        previous_num_threads=previous_threads,
+    )
+
+
+def build_rank(
+    args: EngineArgs,
+    path: str,
+    mcfg: ModelConfig,
+    device: torch.device,
+    *,
+    tp: TPGroup = SINGLE,
+    sync: RankSync = NO_SYNC,
+    tp_driver: Any = None,
+    local_size: int = 1,
+    enforce_eager: bool | None = None,
+) -> RankBuild:
+    """Load this rank's shard and build its runner; every rank of a group runs this, meeting
+    at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready)."""
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
-    model = load_model(path, mcfg, dtype, device)
+    model = load_model(path, mcfg, dtype, device, tp)
+    sync.barrier("loaded")
 
     max_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
     attn = model.attention_layers[0]
     per_block = kv_bytes_per_block(
         mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, dtype
     )
-    num_blocks = _num_kv_blocks(args, model, per_block, max_tokens, device)
+    # Every rank holds the same block ids: the pool is as large as the smallest rank allows.
+    num_blocks = sync.agree_min(
+        "num_kv_blocks", _num_kv_blocks(args, model, per_block, max_tokens, device, local_size)
+    )
     capacity = num_blocks * args.block_size
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
     if max_model_len > capacity:
-        log.warning(
-            "max_model_len %d exceeds the KV pool (%d tokens); capped", max_model_len, capacity
-        )
+        if tp.rank == 0:
+            log.warning(
+                "max_model_len %d exceeds the KV pool (%d tokens); capped", max_model_len, capacity
+            )
         max_model_len = capacity
 
     runner = ModelRunner(
@@ -122,50 +278,46 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager if enforce_eager is None else enforce_eager,
         seed=args.seed,
+        tp_rank=tp.rank,
+        tp_driver=tp_driver,
     )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=max_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy,
-        ),
-        CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
+    sync.barrier("ready")
+    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len)
+
+
+def build_worker_runner(
+    config: dict[str, Any], tp: TPGroup, sync: RankSync, device: torch.device, local_size: int
+) -> ModelRunner:
+    """A worker rank's runner for the engine rank 0 described in ``config``."""
+    args = EngineArgs(**config["engine_args"])
+    path = config["model_path"]
+    if not Path(path, "config.json").is_file():  # another node: its own copy of the model
+        path = resolve_model(args.model)
+    mcfg = ModelConfig.from_dir(path)
+    if device.type == "cpu":
+        torch.set_num_threads(args.num_threads or default_cpu_threads(local_size))
+    rank = build_rank(
+        args,
+        path,
+        mcfg,
+        device,
+        tp=tp,
+        sync=sync,
+        local_size=local_size,
+        enforce_eager=config["enforce_eager"],
     )
-    tokenizer = load_tokenizer(args.tokenizer or path)
-    eos = mcfg.eos_token_ids
-    if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        eos = (int(tokenizer.eos_token_id),)
-    name = args.served_model_name or args.model or BUILTIN_MODEL_NAME
-    info = ModelInfo(
-        model=name,
-        dtype=str(dtype).removeprefix("torch."),
-        device=str(device),
-        tp_size=args.tensor_parallel_size,
-        kv_bytes_per_block=per_block,
-        kv_bytes_per_rank=per_block * num_blocks,
-        max_model_len=max_model_len,
-    )
-    core = EngineCore(
-        scheduler,
-        runner,
-        vocab_size=mcfg.vocab_size,
-        eos_token_ids=eos,
-        model_info=info,
-        tokenizer_decode=tokenizer.decode if tokenizer is not None else None,
-    )
-    return BuiltEngine(core, tokenizer, name, path, mcfg.vocab_size, max_model_len, tuple(eos))
+    return rank.runner
 
 
 def _num_kv_blocks(
-    args: EngineArgs, model: Any, per_block: int, max_tokens: int, device: torch.device
+    args: EngineArgs,
+    model: Any,
+    per_block: int,
+    max_tokens: int,
+    device: torch.device,
+    local_size: int = 1,
 ) -> int:
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
@@ -180,7 +332,8 @@ def _num_kv_blocks(
         )
         budget = cuda_kv_bytes(device, args.gpu_memory_utilization, total - free, peak)
     else:
-        budget = default_cpu_kv_bytes()
+        # The CPU default is a share of this machine's RAM: split among its ranks.
+        budget = default_cpu_kv_bytes() // local_size
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(

@@ -246,8 +246,9 @@ class DecoderForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[R, vocab]`` for the given hidden rows."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[R, vocab]`` for the given hidden rows (None on TP ranks other
+        than 0, which only contribute their part of the vocabulary)."""
         return self.lm_head.compute_logits(hidden)
 
     # -- weights --------------------------------------------------------------------------

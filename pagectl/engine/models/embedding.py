@@ -2,8 +2,8 @@
 
 Each rank owns a contiguous range of ``ceil(vocab / tp)`` rows (the last range may be short;
 its missing rows are zero). The embedding looks up the ids in its range, zeroes the rest and
-all-reduces; the LM head computes logits for its range and all-gathers them (logits are
-gathered where sampling happens). At tp size 1 both are a plain lookup / matmul.
+all-reduces; the LM head computes logits for its range and rank 0 gathers them (sampling
+happens there). At tp size 1 both are a plain lookup / matmul.
 """
 
 from __future__ import annotations
@@ -75,12 +75,19 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary, in float32, for the given hidden rows."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary, in float32, for the given hidden rows.
+
+        With tensor parallelism each rank computes its vocabulary range and rank 0 (where
+        sampling happens) gathers them; the other ranks get None.
+        """
         if self._packed is not None:
             logits = packed_linear(hidden, self._packed)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
-            logits = self.tp.all_gather(logits, dim=-1)[..., : self.num_embeddings]
+            gathered = self.tp.gather(logits, dim=-1)
+            if gathered is None:
+                return None
+            logits = gathered[..., : self.num_embeddings]
         return logits.float()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagectl.engine.models.parallel import SINGLE, TPGroup, divide
+from pagectl.engine.models.parallel import SINGLE, TPGroup, divide, kv_heads_per_rank
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
 
 
@@ -170,16 +170,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
-            if tp.size % num_kv_heads:
-                raise ValueError(
-                    f"num_key_value_heads ({num_kv_heads}) neither divides nor is a multiple "
-                    f"of the tensor-parallel size ({tp.size})"
-                )
-            self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim

@@ -6,12 +6,18 @@ token (positions, slot mapping, block-table padding, logits rows) is numpy on wh
 Batch order (the runner's, not the scheduler's): sequences feeding one token come first,
 sorted by ascending length (the decode rows the attention backends batch), then the others
 in scheduler order. ``StepBatch.order[r]`` is the scheduler index of batch sequence ``r``.
+
+Two halves: ``plan`` turns a ``SchedulerOutput`` into ``StepArrays`` (host arrays: all a
+forward needs) plus what only sampling needs; ``from_arrays`` turns ``StepArrays`` into device
+tensors and ``AttentionMetadata``. Tensor-parallel rank 0 plans and broadcasts the arrays;
+every rank, rank 0 included, then runs ``from_arrays`` on the same arrays, so all ranks run
+the same forward.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,19 +37,67 @@ class PromptLogprobsPlan:
 
 
 @dataclass
+class StepArrays:
+    """The host arrays (numpy int64) of one step that every tensor-parallel rank needs to run
+    the forward; ``T`` rows, ``S`` sequences, ``R`` logits rows."""
+
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    # Where each row's K/V are written: block * block_size + offset.
+    slot_mapping: np.ndarray  # [T]
+    # Row ranges per sequence, and sequence lengths after the step.
+    query_start_loc: np.ndarray  # [S + 1]
+    seq_lens: np.ndarray  # [S]
+    # Each sequence's blocks, padded with the scratch block.
+    block_tables: np.ndarray  # [S, max blocks]
+    # Hidden rows to compute logits for (prompt-logprob rows, then one per sampling sequence).
+    logits_rows: np.ndarray  # [R]
+    # Leading sequences that feed one token each.
+    num_decodes: int
+    # Dynamic NTK rope only: each row's sequence length after the step.
+    token_seq_lens: np.ndarray | None = None
+
+
+@dataclass
+class SamplingPlan:
+    """What only the planning rank (tensor-parallel rank 0) needs after the forward."""
+
+    # Scheduler index of each batch sequence.
+    order: list[int] = field(default_factory=list)
+    # Scheduler indices of the sampling sequences, in logits-row order (after the prompt rows).
+    sample_indices: list[int] = field(default_factory=list)
+    num_prompt_logprob_rows: int = 0
+    prompt_logprobs: list[PromptLogprobsPlan] = field(default_factory=list)
+
+
+@dataclass
 class StepBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    # Scheduler index of each batch sequence.
-    order: list[int]
     # Hidden rows to compute logits for: prompt-logprob rows first, then one row per sampling
     # sequence (int64 device tensor).
     logits_rows: torch.Tensor
-    # Scheduler indices of the sampling sequences, in logits-row order (after the prompt rows).
-    sample_indices: list[int]
-    num_prompt_logprob_rows: int
-    prompt_logprobs: list[PromptLogprobsPlan]
+    # The host arrays the tensors above were made from.
+    arrays: StepArrays
+    # Empty on tensor-parallel workers.
+    sampling: SamplingPlan = field(default_factory=SamplingPlan)
+
+    @property
+    def order(self) -> list[int]:
+        return self.sampling.order
+
+    @property
+    def sample_indices(self) -> list[int]:
+        return self.sampling.sample_indices
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        return self.sampling.num_prompt_logprob_rows
+
+    @property
+    def prompt_logprobs(self) -> list[PromptLogprobsPlan]:
+        return self.sampling.prompt_logprobs
 
 
 class BatchBuilder:
@@ -68,8 +122,18 @@ class BatchBuilder:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def build(self, so: SchedulerOutput, prompt_scored: dict[str, int]) -> StepBatch:
-        """Pack ``so``. ``prompt_scored[seq_id]`` is how many leading prompt positions already
-        had their logprobs returned (updated here for the positions scored this step)."""
+        """Pack ``so`` into device tensors (``plan`` then ``from_arrays``)."""
+        arrays, sampling = self.plan(so, prompt_scored)
+        batch = self.from_arrays(arrays)
+        batch.sampling = sampling
+        return batch
+
+    def plan(
+        self, so: SchedulerOutput, prompt_scored: dict[str, int]
+    ) -> tuple[StepArrays, SamplingPlan]:
+        """Host arrays for ``so`` (at least one sequence). ``prompt_scored[seq_id]`` is how
+        many leading prompt positions already had their logprobs returned (updated here for
+        the positions scored this step)."""
         bs = self.block_size
         seqs = so.seqs
         counts = so.num_scheduled_tokens
@@ -138,33 +202,46 @@ class BatchBuilder:
                 sample_rows.append(int(cu[r + 1]) - 1)
         logits_rows = np.concatenate(prompt_rows + [np.asarray(sample_rows, np.int64)])
 
-        num_decodes = len(decodes)
         token_seq_lens = None
         if self.dynamic_rope_len is not None and int(seq_lens.max()) > self.dynamic_rope_len:
-            token_seq_lens = self._to_device(np.repeat(seq_lens, q_lens))
+            token_seq_lens = np.repeat(seq_lens, q_lens)
+        arrays = StepArrays(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=cu,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            logits_rows=logits_rows.astype(np.int64, copy=False),
+            num_decodes=len(decodes),
+            token_seq_lens=token_seq_lens,
+        )
+        return arrays, SamplingPlan(order, sample_indices, num_prompt_rows, plans)
+
+    def from_arrays(self, a: StepArrays) -> StepBatch:
+        """Device tensors and attention metadata for ``a`` (at least one sequence)."""
+        cu, seq_lens, tables = a.query_start_loc, a.seq_lens, a.block_tables
+        num_seqs = len(seq_lens)
         meta = AttentionMetadata(
-            num_tokens=num_tokens,
+            num_tokens=len(a.token_ids),
             num_seqs=num_seqs,
-            num_decodes=num_decodes,
-            max_query_len=int(q_lens.max()),
+            num_decodes=a.num_decodes,
+            max_query_len=int((cu[1:] - cu[:-1]).max()),
             max_seq_len=int(seq_lens.max()),
-            block_size=bs,
+            block_size=self.block_size,
             query_start_loc=self._to_device(cu.astype(np.int32)),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             block_tables=self._to_device(tables.astype(np.int32)),
-            slot_mapping=self._to_device(slots),
+            slot_mapping=self._to_device(a.slot_mapping),
             query_start_loc_host=cu,
             seq_lens_host=seq_lens,
             block_tables_host=tables,
-            token_seq_lens=token_seq_lens,
+            token_seq_lens=None if a.token_seq_lens is None else self._to_device(a.token_seq_lens),
         )
         return StepBatch(
-            input_ids=self._to_device(token_ids),
-            positions=self._to_device(positions),
+            input_ids=self._to_device(a.token_ids),
+            positions=self._to_device(a.positions),
             meta=meta,
-            order=order,
-            logits_rows=self._to_device(logits_rows.astype(np.int64)),
-            sample_indices=sample_indices,
-            num_prompt_logprob_rows=num_prompt_rows,
-            prompt_logprobs=plans,
+            logits_rows=self._to_device(a.logits_rows),
+            arrays=a,
         )

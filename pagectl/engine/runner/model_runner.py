@@ -6,6 +6,12 @@ Per step: drop state of finished sequences, apply copy-on-write block copies, pa
 that sample or score prompt tokens, sample, and return ``ModelRunnerOutput`` in the
 scheduler's order.
 
+With tensor parallelism every rank holds a ``ModelRunner`` over its shard. Rank 0 plans the
+batch, broadcasts its arrays through ``tp_driver`` (``distributed.TPWorkers``) and samples;
+ranks 1..N-1 only run ``run_arrays`` on what they receive. Everything between the broadcast
+and the logits gather runs inside ``tp_driver.collective()``, so a fault there is reported as
+the rank that caused it and the group is not used again.
+
 Owned by the engine loop thread. ``timings`` accumulates wall time per phase (exact on CPU;
 on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
 """
@@ -22,7 +28,7 @@ from pagectl.engine.attention import select_backend
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.decoder import DecoderForCausalLM
 from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagectl.engine.runner.input_batch import BatchBuilder, StepBatch
+from pagectl.engine.runner.input_batch import BatchBuilder, StepArrays, StepBatch
 from pagectl.engine.runner.kv_cache import KVCachePool
 
 
@@ -41,7 +47,8 @@ class RunnerTimings:
 
 
 class ModelRunner:
-    """Implements the engine core's ``ModelExecutor`` protocol on one device (TP rank 0)."""
+    """Implements the engine core's ``ModelExecutor`` protocol on one device (TP rank 0), and
+    the forward half of a step on the other ranks (``run_arrays``)."""
 
     def __init__(
         self,
@@ -57,8 +64,13 @@ class ModelRunner:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         seed: int = 0,
+        tp_rank: int = 0,
+        tp_driver: Any = None,
     ) -> None:
         self.model = model
+        self.tp_rank = tp_rank
+        # Rank 0 of a tensor-parallel group: broadcasts each step to the other ranks.
+        self.tp_driver = tp_driver
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -87,7 +99,10 @@ class ModelRunner:
             device,
             dynamic_rope_len=rotary.max_position_embeddings if rotary.is_dynamic else None,
         )
-        self.sampler = _make_sampler(model_config.vocab_size, device, seed)
+        # Only rank 0 samples.
+        self.sampler: Any = (
+            _make_sampler(model_config.vocab_size, device, seed) if tp_rank == 0 else None
+        )
         # seq_id -> leading prompt positions whose logprobs were already returned (so a
         # recompute after preemption does not report them twice).
         self._prompt_scored: dict[str, int] = {}
@@ -104,21 +119,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        driver = self.tp_driver
+        if driver is not None:
+            driver.check_health()
         if so.finished_seq_ids:
             self.sampler.forget(so.finished_seq_ids)
             for seq_id in so.finished_seq_ids:
                 self._prompt_scored.pop(seq_id, None)
-        self.kv.copy_blocks(so.block_copies)
-        if not so.seqs:
-            return ModelRunnerOutput([])
         t0 = time.perf_counter()
-        batch = self.batch_builder.build(so, self._prompt_scored)
-        self.backend.prepare(batch.meta)
-        t1 = self._tick()
-        hidden = self._forward(batch)
-        logits = None
-        if batch.logits_rows.numel():  # a step of mid-prompt chunks needs no logits
-            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        arrays = sampling = None
+        if so.seqs:
+            arrays, sampling = self.batch_builder.plan(so, self._prompt_scored)
+        if driver is None:
+            batch, logits, t1 = self.run_arrays(arrays, so.block_copies)
+        else:
+            with driver.collective():
+                driver.send_step(arrays, so.block_copies)
+                batch, logits, t1 = self.run_arrays(arrays, so.block_copies)
+        if batch is None:
+            return ModelRunnerOutput([])
+        assert sampling is not None
+        batch.sampling = sampling
         t2 = self._tick()
         out = self._sample(so, batch, logits)
         t3 = self._tick()
@@ -128,6 +149,40 @@ class ModelRunner:
         tm.forward_s += t2 - t1
         tm.sample_s += t3 - t2
         return out
+
+    def run_arrays(
+        self, arrays: StepArrays | None, block_copies: list[tuple[int, int]]
+    ) -> tuple[StepBatch | None, torch.Tensor | None, float]:
+        """What every tensor-parallel rank runs for a step: the copy-on-write block copies,
+        then (when there are sequences) the forward and the logits rows, gathered on rank 0.
+
+        Returns the batch, the logits (None on other ranks, or when no row needs them) and
+        the time the batch was ready.
+        """
+        self.kv.copy_blocks(block_copies)
+        if arrays is None:
+            return None, None, 0.0
+        batch = self.batch_builder.from_arrays(arrays)
+        self.backend.prepare(batch.meta)
+        t1 = self._tick()
+        hidden = self._forward(batch)
+        logits = None
+        if batch.logits_rows.numel():  # a step of mid-prompt chunks needs no logits
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        return batch, logits, t1
+
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel worker has failed (the engine loop calls this between
+        steps, so a worker that dies while the engine is idle is noticed too)."""
+        if self.tp_driver is not None:
+            self.tp_driver.check_health()
+
+    def release(self) -> None:
+        """Drop the KV memory and CUDA graphs (the runner is unusable afterwards)."""
+        for layer in self.model.attention_layers:
+            layer.kv_cache = None
+        self.kv.release()
+        self.cuda_graphs = None
 
     def _tick(self) -> float:
         if self.sync_timings and self.device.type == "cuda":
@@ -148,26 +203,27 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput(sampled)
         logprobs: list[TokenLogprobs | None] | None = None
-        p = batch.num_prompt_logprob_rows
-        if batch.sample_indices:
-            result = self.sampler(logits[p:], [seqs[i] for i in batch.sample_indices])
-            for i, tok in zip(batch.sample_indices, result.token_ids, strict=True):
+        plan = batch.sampling
+        p = plan.num_prompt_logprob_rows
+        if plan.sample_indices:
+            result = self.sampler(logits[p:], [seqs[i] for i in plan.sample_indices])
+            for i, tok in zip(plan.sample_indices, result.token_ids, strict=True):
                 sampled[i] = tok
             if result.logprobs is not None:
                 logprobs = [None] * len(seqs)
-                for i, lp in zip(batch.sample_indices, result.logprobs, strict=True):
+                for i, lp in zip(plan.sample_indices, result.logprobs, strict=True):
                     logprobs[i] = lp
         prompt_logprobs = None
-        if batch.prompt_logprobs:
+        if plan.prompt_logprobs:
             from pagectl.engine.runner.sampler import compute_prompt_logprobs
 
             prompt_logprobs = {}
-            for plan in batch.prompt_logprobs:
-                n = len(plan.target_token_ids)
-                rows = logits[plan.row_start : plan.row_start + n]
-                targets = torch.tensor(plan.target_token_ids, dtype=torch.long, device=rows.device)
-                seq_id = seqs[plan.seq_index].seq_id
-                prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, plan.num_logprobs)
+            for pl in plan.prompt_logprobs:
+                n = len(pl.target_token_ids)
+                rows = logits[pl.row_start : pl.row_start + n]
+                targets = torch.tensor(pl.target_token_ids, dtype=torch.long, device=rows.device)
+                seq_id = seqs[pl.seq_index].seq_id
+                prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, pl.num_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
 

@@ -70,7 +70,9 @@ def measure_peak_activation(
     before = torch.cuda.memory_allocated(device)
     hidden = model(ids, positions, meta)
     rows = torch.arange(min(num_logit_rows, num_tokens), device=device)
-    model.compute_logits(hidden.index_select(0, rows)).softmax(-1)
+    logits = model.compute_logits(hidden.index_select(0, rows))
+    if logits is not None:  # None on tensor-parallel ranks other than 0
+        logits.softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     for layer in model.attention_layers:
