@@ -385,8 +385,7 @@ def test_two_nodes_meet_through_master_addr_and_port(models, groups, monkeypatch
 # -- the daemon -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def daemon(models, groups, tmp_path_factory):
+def _start_daemon(models, groups, tmp_path_factory) -> DaemonProcess:
     groups.close()
     path, _ = models("qwen3")
     d = DaemonProcess(
@@ -394,7 +393,12 @@ def daemon(models, groups, tmp_path_factory):
         ["--model", str(path), "--served-model-name", "tiny", "--tp", "2"]
         + ["--num-kv-blocks", "64", "--dtype", "float32"],
     )
-    d.start()
+    return d.start()
+
+
+@pytest.fixture(scope="module")
+def daemon(models, groups, tmp_path_factory):
+    d = _start_daemon(models, groups, tmp_path_factory)
     yield d
     d.kill()
 
@@ -443,8 +447,25 @@ def test_daemon_tp2_serves_the_openai_api(daemon, models):
     assert len(_workers_of(daemon)) == 1
 
 
-def test_daemon_exits_nonzero_when_a_worker_is_killed(daemon):
+def test_daemon_sigterm_exits_zero_and_ends_its_workers(daemon):
     d = daemon
+    everyone = d.children()
+    assert _workers_of(d)
+    os.kill(d.proc.pid, signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    _, alive = psutil.wait_procs(everyone, timeout=10)
+    assert not alive, f"left behind: {alive}"
+
+
+def test_daemon_exits_nonzero_when_a_worker_is_killed(models, groups, tmp_path_factory):
+    d = _start_daemon(models, groups, tmp_path_factory)
+    try:
+        _kill_a_worker_mid_request(d)
+    finally:
+        d.kill()
+
+
+def _kill_a_worker_mid_request(d: DaemonProcess) -> None:
     everyone = d.children()
     (worker,) = _workers_of(d)
     r = requests.post(

@@ -259,7 +259,7 @@ class TPWorkers:
         code = None
         if p is not None:
             msg += f" (pid {p.pid})"
-            code = p.exitcode  # read once: another thread may be reaping the process
+            code = _exit_code(p)
             if code is not None:
                 msg += f" was killed by signal {-code}" if code < 0 else f" exited ({code})"
         error = None
@@ -362,6 +362,18 @@ class TPWorkers:
                 rdv.destroy_groups()
         self.channel = None
         self.store = None
+
+
+def _exit_code(p: Any) -> int | None:
+    """``p.exitcode``, or None while it runs. Read once, after waiting a moment for it when the
+    process is gone: another thread reaping it at the same time can leave it unset briefly."""
+    code = p.exitcode
+    if code is None and multiprocessing.connection.wait([p.sentinel], 0):
+        deadline = time.monotonic() + 1.0
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            code = p.exitcode
+    return code
 
 
 def default_cpu_threads(local_size: int) -> int:
