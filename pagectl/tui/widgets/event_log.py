@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from rich.text import Text
@@ -45,6 +46,8 @@ class EventLog(RichLog, can_focus=False):
         super().__init__(id=id, classes=classes, max_lines=1000, wrap=False, markup=False)
         self.last_event_id = 0
         self._start_time: float | None = None
+        # Daemon events shown so far, by kind.
+        self.kind_counts: Counter[str] = Counter()
 
     def show_events(self, events: Sequence[Event], start_time: float) -> None:
         if self._start_time is not None and start_time != self._start_time:
@@ -56,6 +59,7 @@ class EventLog(RichLog, can_focus=False):
             if ev.event_id > self.last_event_id:
                 self.write(render_event(ev))
                 self.last_event_id = ev.event_id
+                self.kind_counts[ev.kind] += 1
 
     def note(self, when: float, message: str, kind: str = "console") -> None:
         """A line from the console itself (a refused command, a lost link)."""
