@@ -191,10 +191,10 @@ class LLM:
     def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        plist = list(prompts)
-        if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
-            return [plist]  # a single prompt given as token ids
-        return plist
+        items: list = list(prompts)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return [items]  # a single prompt given as token ids
+        return items
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

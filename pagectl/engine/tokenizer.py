@@ -75,6 +75,7 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
+        assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_token_ids: list[int]) -> str:
