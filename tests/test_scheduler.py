@@ -83,6 +83,12 @@ def test_chunked_prefill_respects_budget_exactly():
         (("a", "b"), (1, 1)),
     ]
     assert all(s.total_num_scheduled_tokens <= 10 for s in runner.steps)
+    c = core.scheduler.counters
+    assert (
+        c.scheduled_tokens
+        == sum(s.total_num_scheduled_tokens for s in runner.steps)
+        == 25 + 7 + 2 + 2
+    )
     assert [len(res[("a", 0)][0]), len(res[("b", 0)][0])] == [3, 3]
     assert_no_leaks(core)
 

@@ -421,6 +421,7 @@ class Scheduler(LiveConfigMixin):
         c.recomputed_tokens += recomputed
         if so.seqs:
             c.steps += 1
+            c.scheduled_tokens += so.total_num_scheduled_tokens
             self.step_stats.append(
                 StepStat(
                     so.step_id,

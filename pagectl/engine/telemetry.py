@@ -66,8 +66,9 @@ class Counters(msgspec.Struct):
     # Prompt tokens computed (cache hits excluded) and tokens generated.
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    # Engine steps that ran a forward.
+    # Engine steps that ran a forward, and token positions they fed to the model.
     steps: int = 0
+    scheduled_tokens: int = 0
     # Finished sequences by finish reason; requests refused at submission.
     finished_by_reason: dict[str, int] = {}
     rejected: int = 0
