@@ -86,8 +86,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     arrival_time: float | None = None
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """New results for one sequence after a step."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New results for one sequence after a step (holds no cycles: not GC-tracked)."""
 
     # The request's id and the index of this sequence among its n samples.
     request_id: str

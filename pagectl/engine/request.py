@@ -70,8 +70,6 @@ class Request:
         "pending_forks",
         "stop_reason",
         "error",
-        "first_token_time",
-        "num_prompt_tokens_computed",
     )
 
     def __init__(
@@ -132,9 +130,6 @@ class Request:
         self.pending_forks = sp.n
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.first_token_time: float | None = None
-        # Prompt tokens this sequence has actually computed (excludes prefix-cache hits).
-        self.num_prompt_tokens_computed = 0
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ import bisect
 import itertools
 import time
 from collections import deque
+from itertools import repeat
 
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.kv.manager import KVCacheManager
@@ -344,49 +345,45 @@ class Scheduler(LiveConfigMixin):
         num_prompt = 0
         num_generated = 0
         recomputed = 0
-        now = time.monotonic()
         finished: list[Request] = []
-        counts = so.num_scheduled_tokens
-        samples = so.sample
-        for i, req in enumerate(so.seqs):
+        lps = logprobs if logprobs is not None else repeat(None)
+        for req, n, sample, tok, lp in zip(
+            so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps
+        ):
             if req.status is not running_status:
                 continue  # finished while the step ran (e.g. aborted)
-            n = counts[i]
             before = req.num_computed_tokens
             after = before + n
-            if before < req.num_prompt_tokens:
-                p = min(after, req.num_prompt_tokens) - before
-                num_prompt += p
-                req.num_prompt_tokens_computed += p
-            if req.num_preemptions and before < len(req.all_token_ids) - 1:
-                recomputed += min(after, len(req.all_token_ids) - 1) - before
             req.num_computed_tokens = after
+            if before < req.num_prompt_tokens:
+                num_prompt += min(after, req.num_prompt_tokens) - before
+            if req.num_preemptions:
+                last = len(req.all_token_ids) - 1
+                if before < last:
+                    recomputed += min(after, last) - before
             if caching and after // bs > req.num_registered_blocks:
                 kv.cache_full_blocks(req)
-            if not samples[i]:
-                if req.pending_forks > 1 and req.num_computed_tokens >= req.target_num_tokens:
+            if not sample:
+                if req.pending_forks > 1 and after >= req.target_num_tokens:
                     self._fork(req)
                 if prompt_lps and req.seq_id in prompt_lps:
                     outputs.append(self._output(req, [], prompt_logprobs=prompt_lps[req.seq_id]))
                 continue
-            tok = sampled[i]
             tokens = req.all_token_ids
             tokens.append(tok)
             num_generated += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
             ntok = len(tokens)
-            status = None
+            finish_reason = None
             if tok in req.stop_ids and ntok >= req.min_num_tokens:
-                status = RequestStatus.FINISHED_STOPPED
+                req.status = RequestStatus.FINISHED_STOPPED
                 if tok in req.sampling_params.stop_token_ids:
                     req.stop_reason = tok
-            elif ntok >= req.max_num_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                req.status = status
                 finished.append(req)
-            lp = logprobs[i] if logprobs is not None else None
+                finish_reason = "stop"
+            elif ntok >= req.max_num_tokens:
+                req.status = RequestStatus.FINISHED_LENGTH
+                finished.append(req)
+                finish_reason = "length"
             if lp is not None or (prompt_lps and req.seq_id in prompt_lps):
                 outputs.append(
                     self._output(
@@ -402,7 +399,7 @@ class Scheduler(LiveConfigMixin):
                         req.request_id,
                         req.index,
                         [tok],
-                        None if status is None else req.finish_reason,
+                        finish_reason,
                         req.stop_reason,
                         None,
                         None,
