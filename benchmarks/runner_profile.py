@@ -83,6 +83,7 @@ def build_core(cfg, model, args) -> EngineCore:
         num_blocks=args.num_blocks,
         max_model_len=1024,
         max_num_seqs=256,
+        attention_backend=args.attention_backend,
     )
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256, max_model_len=1024),
@@ -154,6 +155,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--attention-backend", default="auto", help="auto, torch or cpu-kernel (default auto)"
+    )
     ap.add_argument("--hf", action="store_true", help="also time transformers' bare forward")
     ap.add_argument("--profile", action="store_true", help="print a torch profiler table")
     args = ap.parse_args()
@@ -208,7 +212,10 @@ def main() -> None:
     print(
         f"requests {args.requests}, prompt tokens {prompt_tokens}, output tokens {generated} (useful {useful})"
     )
-    print(f"threads {args.threads}, budget {args.budget}, block size {args.block_size}")
+    print(
+        f"threads {args.threads}, budget {args.budget}, block size {args.block_size}, "
+        f"attention {runner.backend.name}"
+    )
     print(
         f"wall {wall:.2f} s over {steps} steps ({tm.steps} with a forward); process CPU {cpu:.2f} s"
     )

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from pagectl.engine.args import DTYPES
+from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     m.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     m.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    m.add_argument("--attention-backend", choices=("auto", "torch", "flash"), default="auto")
+    m.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
+        "else torch",
+    )
 
     c = p.add_argument_group("KV cache and scheduler")
     c.add_argument("--block-size", type=int, default=16, help="token slots per KV block")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagectl.engine.args import ATTENTION_BACKENDS
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by ``generate`` and ``bench``."""
@@ -34,6 +36,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
+        "else torch",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,6 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
     )
 
 

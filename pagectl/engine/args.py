@@ -9,6 +9,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "flash")
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -78,7 +80,8 @@ class EngineArgs:
     seed: int = 0
     # CPU threads for torch (default: torch's own choice).
     num_threads: int | None = None
-    # Attention backend: "auto", "torch" or "flash" (CUDA with flash-attn importable).
+    # Attention backend: "auto", "torch", "cpu-kernel" (compiled on first use) or "flash"
+    # (CUDA with flash-attn importable); "auto" picks flash, else the CPU kernel, else torch.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -94,8 +97,11 @@ class EngineArgs:
             parse_size(self.kv_cache_memory)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.attention_backend not in ("auto", "torch", "flash"):
-            raise ValueError("attention_backend must be auto, torch or flash")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -86,10 +86,15 @@ class TorchPagedAttention(AttentionBackend):
         self.decode_group_tokens = decode_group_tokens
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_state = TorchAttentionState(
+            self.plan_decode_groups(meta), self.plan_prefills(meta)
+        )
+
+    def plan_decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
+        """Gather groups for the decode rows, longest sequences first."""
         bs = meta.block_size
         dev = self.device
         seq_lens = meta.seq_lens_host
-        qsl = meta.query_start_loc_host
         tables = meta.block_tables_host
         groups: list[DecodeGroup] = []
         # Decode sequences are sorted by length: walk from the longest down, closing a group
@@ -113,6 +118,15 @@ class TorchPagedAttention(AttentionBackend):
                 )
             )
             end = start
+        return groups
+
+    def plan_prefills(self, meta: AttentionMetadata) -> list[PrefillSeq]:
+        """One entry per prefill sequence (the rows after the decodes)."""
+        bs = meta.block_size
+        dev = self.device
+        seq_lens = meta.seq_lens_host
+        qsl = meta.query_start_loc_host
+        tables = meta.block_tables_host
         prefills: list[PrefillSeq] = []
         for i in range(meta.num_decodes, meta.num_seqs):
             q_start, q_end = int(qsl[i]), int(qsl[i + 1])
@@ -127,7 +141,7 @@ class TorchPagedAttention(AttentionBackend):
                 visible = np.arange(seq_len)[None, :] <= rows[:, None]
                 causal = torch.from_numpy(visible).to(dev, non_blocking=True)
             prefills.append(PrefillSeq(q_start, q_end, seq_len, ctx, seq_blocks, causal))
-        meta.backend_state = TorchAttentionState(groups, prefills)
+        return prefills
 
     def forward(
         self,
@@ -140,13 +154,25 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         state: TorchAttentionState = meta.backend_state
-        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.attend_decodes(q, kv_cache, state.decode_groups, scale, out)
+        self.attend_prefills(q, k, v, kv_cache, state.prefills, scale, out)
+        return out
+
+    @staticmethod
+    def attend_decodes(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        groups: list[DecodeGroup],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Decode rows, one gather and one SDPA per group, into ``out``."""
+        _, num_heads, head_dim = q.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads = k_cache.shape[-2]
-        gqa = num_heads != num_kv_heads
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         group = num_heads // num_kv_heads
-        for g in state.decode_groups:
+        for g in groups:
             n = g.end - g.start
             keys = k_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
             values = v_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
@@ -160,7 +186,23 @@ class TorchPagedAttention(AttentionBackend):
                 scale=scale,
             )
             out[g.start : g.end] = o.view(n, num_heads, head_dim)
-        for p in state.prefills:
+
+    @staticmethod
+    def attend_prefills(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prefills: list[PrefillSeq],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Prefill rows, one SDPA per sequence, into ``out``."""
+        _, num_heads, head_dim = q.shape
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads = k_cache.shape[-2]
+        gqa = num_heads != num_kv_heads
+        for p in prefills:
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
             if p.blocks is None:
                 keys = k[p.q_start : p.q_end]
@@ -182,4 +224,3 @@ class TorchPagedAttention(AttentionBackend):
                 enable_gqa=gqa,
             )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
-        return out

@@ -1,0 +1,480 @@
+// Paged attention for decode rows on CPU, reading K/V in place through the block table.
+//
+// Registered as torch.ops.pagectl_cpu.paged_decode; built and loaded by
+// pagectl/engine/attention/cpu_build.py, called by cpu_kernel.py.
+//
+// One work item is a decode sequence (or, when there are fewer sequences than twice the
+// threads, a range of its KV heads). All query heads of the item are processed together,
+// the query heads that share a KV head (the GQA group) included, so every cached K/V row is
+// read once per layer and step. Keys are visited block by block in block-table order, the
+// next block prefetched; the softmax is online (a running max and sum per query head; the
+// accumulator is rescaled when the max grows), all in float32 whatever the cache dtype.
+// Work items are split among torch's intra-op threads in contiguous ranges of about equal
+// key counts, so that the sorted short and long sequences balance.
+//
+// Arithmetic is written with GCC/Clang vector extensions on 16 floats: one AVX-512
+// register, two AVX2 ones, four SSE or NEON ones, whatever the build targets. Head sizes
+// that are a multiple of 16 take that path; others a scalar one.
+//
+// Layouts (checked at the boundary):
+//   q, out        [rows, num_heads, head_dim], last dim contiguous, any row / head stride;
+//                 row i is the single query of sequence i (rows = sequences here)
+//   kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+//   block_tables  int32 [>= rows, width], rows contiguous; entries past a sequence's
+//                 blocks are never read
+//   seq_lens      int32 [>= rows]: keys of each sequence, the token just written included
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t ivec16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint16_t u16vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t u32vec16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+constexpr float kLog2e = 1.4426950408889634f;
+// ln 2 as a high part with few mantissa bits (so n * kLn2Hi is exact) plus the remainder.
+constexpr float kLn2Hi = 0.693145751953125f;
+constexpr float kLn2Lo = 1.4286068203094172e-06f;
+// Below this, exp() would leave the normal range; the result is then exp(kExpFloor).
+constexpr float kExpFloor = -87.0f;
+
+// exp(x) for x <= 0 (softmax arguments are score - running max), -inf included: x = n ln2
+// + r with |r| <= ln2 / 2, exp(r) by its Taylor series to degree 7 (relative error below
+// 1e-8, under float rounding), 2^n built in the exponent bits. Arguments below kExpFloor
+// give exp(kExpFloor) ~ 1.6e-38: negligible beside the max term's 1. n is rounded by
+// truncating x log2(e) - 1/2 toward zero, which rounds to nearest for x <= 0.
+template <typename V, typename IV>
+inline V exp_nonpositive(V x) {
+  x = x < kExpFloor ? kExpFloor : x;
+  const IV ni = __builtin_convertvector(x * kLog2e - 0.5f, IV);
+  const V n = __builtin_convertvector(ni, V);
+  const V r = (x - n * kLn2Hi) - n * kLn2Lo;
+  V p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const IV bits = (ni + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+typedef float vec1 __attribute__((vector_size(sizeof(float))));
+typedef int32_t ivec1 __attribute__((vector_size(sizeof(int32_t))));
+
+inline float exp_nonpositive_scalar(float x) {
+  const vec1 v = {x};
+  return exp_nonpositive<vec1, ivec1>(v)[0];
+}
+
+inline float hsum(vec16 v) {
+  vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const vec8 s8 = lo + hi;
+  vec4 a, b;
+  std::memcpy(&a, &s8, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
+  const vec4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// 16 consecutive elements as floats.
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vec16 load16(const c10::BFloat16* p) {
+  u16vec16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const u32vec16 wide = __builtin_convertvector(raw, u32vec16) << 16;
+  vec16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline vec16 load16(const c10::Half* p) {
+  float tmp[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    tmp[i] = static_cast<float>(p[i]);
+  }
+  return load16(tmp);
+}
+
+// Touches the first cache line of every 4 KiB page that rows [0, rows) of a block (row_bytes
+// each, row_stride apart) occupy, one block ahead of use. Blocks are scattered, so each
+// page starts cold: this starts its DRAM fetch early and lets the hardware prefetcher
+// stream the rest of the page (measured better than prefetching every line, which stalls
+// on the outstanding-miss limit, and than none).
+inline void prefetch_pages(const char* p, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  constexpr int64_t kPage = 4096;
+  const int64_t step = std::max<int64_t>(1, kPage / row_stride);
+  for (int64_t t = 0; t < rows; t += step) {
+    for (int64_t e = 0; e < row_bytes; e += kPage) {
+      __builtin_prefetch(p + t * row_stride + e, 0, 3);
+    }
+  }
+}
+
+struct DecodeShape {
+  int64_t num_kv_heads;
+  int64_t group;  // query heads per KV head
+  int64_t block_size;
+  int64_t head_dim;
+  int64_t q_row_stride, q_head_stride;
+  int64_t out_row_stride, out_head_stride;
+  int64_t table_stride;
+  float scale;
+};
+
+// Scratch of one work item: nq = (h1 - h0) * group query heads.
+struct Work {
+  std::vector<vec16> qv, acc;  // [nq, head_dim / 16] (vector path)
+  std::vector<float> qf, accf;  // [nq, head_dim] (scalar path)
+  std::vector<float> scores;    // [nq, block_size]: a block's scores, then its weights
+  std::vector<float> run_max, run_sum;  // [nq]
+};
+
+// Folds one block's scores (scores[j * bs + t], t < n) into the running softmax of each
+// query head: replaces them by their weights exp(score - new max) and returns, through
+// alpha[j], the factor the head's accumulator must be scaled by first.
+inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, float* run_max,
+                          float* run_sum, float* alpha) {
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores + j * bs;
+    float m = run_max[j];
+    for (int64_t t = 0; t < n; ++t) {
+      m = sj[t] > m ? sj[t] : m;
+    }
+    float total = 0.0f;
+    int64_t t = 0;
+    if (n >= kLanes) {
+      vec16 sum = {};
+      for (; t + kLanes <= n; t += kLanes) {
+        const vec16 e = exp_nonpositive<vec16, ivec16>(load16(sj + t) - m);
+        std::memcpy(sj + t, &e, sizeof e);
+        sum += e;
+      }
+      total = hsum(sum);
+    }
+    for (; t < n; ++t) {
+      sj[t] = exp_nonpositive_scalar(sj[t] - m);
+      total += sj[t];
+    }
+    alpha[j] = m > run_max[j] ? exp_nonpositive_scalar(run_max[j] - m) : 1.0f;
+    run_sum[j] = run_sum[j] * alpha[j] + total;
+    run_max[j] = m;
+  }
+}
+
+// One sequence's query heads that share KV heads [h0, h1), over its cached keys.
+// kChunks = head_dim / 16 > 0 takes the vector path with the head size fixed at compile
+// time; 0 the scalar path for any head size.
+template <typename scalar_t, int kChunks>
+void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache,
+                const scalar_t* v_cache, const int32_t* blocks, int64_t seq_len, int64_t h0,
+                int64_t h1, scalar_t* out, Work& w) {
+  const int64_t D = s.head_dim;
+  const int64_t G = s.group;
+  const int64_t nq = (h1 - h0) * G;  // local query head j is global head h0 * G + j
+  const int64_t bs = s.block_size;
+  constexpr bool kVector = kChunks > 0;
+  float* scores = w.scores.data();
+  float* run_max = w.run_max.data();
+  float* run_sum = w.run_sum.data();
+  std::vector<float>& alpha = w.accf;  // reused: [nq] on the vector path
+  if (kVector) {
+    alpha.resize(nq);
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const scalar_t* qj = q + (h0 * G + j) * s.q_head_stride;
+    if constexpr (kVector) {
+      for (int c = 0; c < kChunks; ++c) {
+        w.qv[j * kChunks + c] = load16(qj + c * kLanes) * s.scale;
+        w.acc[j * kChunks + c] = vec16{};
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        w.qf[j * D + d] = static_cast<float>(qj[d]) * s.scale;
+        w.accf[nq + j * D + d] = 0.0f;
+      }
+    }
+    run_max[j] = -std::numeric_limits<float>::infinity();
+    run_sum[j] = 0.0f;
+  }
+  const int64_t token_stride = s.num_kv_heads * D;
+  const int64_t block_stride = bs * token_stride;
+  const int64_t row_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t num_blocks = (seq_len + bs - 1) / bs;
+  float* alpha_p = kVector ? alpha.data() : w.accf.data();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = std::min(bs, seq_len - b * bs);
+    const int64_t base = static_cast<int64_t>(blocks[b]) * block_stride + h0 * D;
+    const scalar_t* kb = k_cache + base;
+    const scalar_t* vb = v_cache + base;
+    if (b + 1 < num_blocks) {
+      const int64_t next = static_cast<int64_t>(blocks[b + 1]) * block_stride + h0 * D;
+      const int64_t n_next = std::min(bs, seq_len - (b + 1) * bs);
+      const int64_t stride_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+      prefetch_pages(reinterpret_cast<const char*>(k_cache + next), n_next, stride_bytes,
+                     row_bytes);
+      prefetch_pages(reinterpret_cast<const char*>(v_cache + next), n_next, stride_bytes,
+                     row_bytes);
+    }
+    // Scores: each key row is loaded once for the G query heads of its KV head.
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* kr = kb + t * token_stride + h * D;
+        if constexpr (kVector) {
+          vec16 k[kChunks];
+          for (int c = 0; c < kChunks; ++c) {
+            k[c] = load16(kr + c * kLanes);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const vec16* qj = w.qv.data() + (h * G + g) * kChunks;
+            vec16 dot = qj[0] * k[0];
+            for (int c = 1; c < kChunks; ++c) {
+              dot += qj[c] * k[c];
+            }
+            scores[(h * G + g) * bs + t] = hsum(dot);
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qj = w.qf.data() + (h * G + g) * D;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              dot += qj[d] * static_cast<float>(kr[d]);
+            }
+            scores[(h * G + g) * bs + t] = dot;
+          }
+        }
+      }
+    }
+    softmax_block(nq, bs, n, scores, run_max, run_sum, alpha_p);
+    // Values: each query head's accumulator stays in registers over the block's rows.
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = h * G + g;
+        const float* pj = scores + j * bs;
+        if constexpr (kVector) {
+          vec16 a[kChunks];
+          for (int c = 0; c < kChunks; ++c) {
+            a[c] = w.acc[j * kChunks + c] * alpha_p[j];
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            const scalar_t* vr = vb + t * token_stride + h * D;
+            for (int c = 0; c < kChunks; ++c) {
+              a[c] += pj[t] * load16(vr + c * kLanes);
+            }
+          }
+          for (int c = 0; c < kChunks; ++c) {
+            w.acc[j * kChunks + c] = a[c];
+          }
+        } else {
+          float* aj = w.accf.data() + nq + j * D;
+          for (int64_t d = 0; d < D; ++d) {
+            aj[d] *= alpha_p[j];
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            const scalar_t* vr = vb + t * token_stride + h * D;
+            for (int64_t d = 0; d < D; ++d) {
+              aj[d] += pj[t] * static_cast<float>(vr[d]);
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const float inv = 1.0f / run_sum[j];
+    scalar_t* oj = out + (h0 * G + j) * s.out_head_stride;
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = kVector ? w.acc[j * kChunks + d / kLanes][d % kLanes]
+                              : w.accf[nq + j * D + d];
+      oj[d] = static_cast<scalar_t>(a * inv);
+    }
+  }
+}
+
+template <typename scalar_t, int kChunks>
+void decode_all(const DecodeShape& s, int64_t num_seqs, const scalar_t* q,
+                const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
+                const int32_t* seq_lens, scalar_t* out) {
+  const int64_t threads = at::get_num_threads();
+  // A work item is a sequence's KV heads split in `parts` ranges: whole sequences unless
+  // there are too few sequences to keep the threads busy.
+  const int64_t parts =
+      std::min<int64_t>(s.num_kv_heads, (2 * threads + num_seqs - 1) / num_seqs);
+  const int64_t heads_per_part = (s.num_kv_heads + parts - 1) / parts;
+  const int64_t num_items = num_seqs * parts;
+  const int64_t num_chunks = std::min<int64_t>(threads, num_items);
+  // Contiguous chunks of items (sequence-major) with about equal key counts.
+  std::vector<int64_t> bounds(num_chunks + 1, num_items);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    total += seq_lens[i];
+  }
+  total *= parts;
+  int64_t done = 0;
+  int64_t chunk = 1;
+  for (int64_t item = 0; item < num_items && chunk < num_chunks; ++item) {
+    done += seq_lens[item / parts];
+    while (chunk < num_chunks && done * num_chunks >= chunk * total) {
+      bounds[chunk++] = item + 1;
+    }
+  }
+  const int64_t nq = heads_per_part * s.group;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    Work w;
+    if constexpr (kChunks > 0) {
+      w.qv.resize(nq * kChunks);
+      w.acc.resize(nq * kChunks);
+    } else {
+      w.qf.resize(nq * s.head_dim);
+      w.accf.resize(nq + nq * s.head_dim);  // [nq] rescale factors, then [nq, head_dim]
+    }
+    w.scores.resize(nq * s.block_size);
+    w.run_max.resize(nq);
+    w.run_sum.resize(nq);
+    for (int64_t c = begin; c < end; ++c) {
+      for (int64_t item = bounds[c]; item < bounds[c + 1]; ++item) {
+        const int64_t i = item / parts;
+        const int64_t h0 = (item % parts) * heads_per_part;
+        const int64_t h1 = std::min(s.num_kv_heads, h0 + heads_per_part);
+        if (h0 < h1) {
+          attend_seq<scalar_t, kChunks>(s, q + i * s.q_row_stride, k_cache, v_cache,
+                                        tables + i * s.table_stride, seq_lens[i], h0, h1,
+                                        out + i * s.out_row_stride, w);
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void decode_typed(const DecodeShape& s, int64_t rows, const at::Tensor& q,
+                  const at::Tensor& kv_cache, const int32_t* tables, const int32_t* lens,
+                  const at::Tensor& out) {
+  const scalar_t* qp = q.const_data_ptr<scalar_t>();
+  const scalar_t* k = kv_cache.const_data_ptr<scalar_t>();
+  const scalar_t* v = k + kv_cache.stride(0);
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  switch (s.head_dim) {
+    case 16:
+      decode_all<scalar_t, 1>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    case 32:
+      decode_all<scalar_t, 2>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    case 64:
+      decode_all<scalar_t, 4>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    case 80:
+      decode_all<scalar_t, 5>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    case 96:
+      decode_all<scalar_t, 6>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    case 128:
+      decode_all<scalar_t, 8>(s, rows, qp, k, v, tables, lens, o);
+      break;
+    default:
+      decode_all<scalar_t, 0>(s, rows, qp, k, v, tables, lens, o);
+  }
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                  const at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [rows, heads, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, ...]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "q and out dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be [seqs, width] with contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be contiguous");
+  const int64_t rows = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim, "kv_cache head_dim differs from q's");
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == num_heads && out.size(2) == head_dim,
+              "out shape differs from q's");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous last dim");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.size(0) >= rows && seq_lens.size(0) >= rows,
+              "fewer block-table rows or lengths than query rows");
+  if (rows == 0) {
+    return;
+  }
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  const int64_t pool_blocks = kv_cache.size(1);
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size,
+                "sequence length out of range of its block table");
+    const int32_t* row = tables + i * block_tables.stride(0);
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < pool_blocks, "block id out of range of the pool");
+    }
+  }
+  const DecodeShape s{num_kv_heads,         num_heads / num_kv_heads,
+                      block_size,           head_dim,
+                      q.stride(0),          q.stride(1),
+                      out.stride(0),        out.stride(1),
+                      block_tables.stride(0), static_cast<float>(scale)};
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_typed<float>(s, rows, q, kv_cache, tables, lens, out);
+      break;
+    case at::kBFloat16:
+      decode_typed<c10::BFloat16>(s, rows, q, kv_cache, tables, lens, out);
+      break;
+    case at::kHalf:
+      decode_typed<c10::Half>(s, rows, q, kv_cache, tables, lens, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ",
+                  q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagectl_cpu, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+}
