@@ -24,6 +24,7 @@ import random
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -52,15 +53,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Split before byte-level BPE. A line break takes the next line's indentation with it, so
-# "\n        " is one pre-token and indentation runs become single tokens; identifiers
-# keep a leading space (" self") and never split at "_".
+# Split before byte-level BPE. Line breaks (with any trailing whitespace before them) are
+# pre-tokens of their own and a line's indentation is another, so a prompt that ends in
+# "\n" ends on a token boundary seen in training and indentation runs become single
+# tokens. Identifiers keep one leading space (" self") and never split at "_".
 PRETOKENIZE_PATTERN = (
-    r"[ \t]*(?:\r?\n[ \t]*)+"
+    r"\s*[\r\n]+"
     r"| ?[\p{L}_][\p{L}\p{N}_]*"
     r"| ?\p{N}+"
     r"| ?[^\s\p{L}\p{N}_]+"
-    r"|\s+(?!\S)|\s+"
+    r"|[ \t]+"
+    r"|\s+"
 )
 
 # Directories that are test suites (they also hold deliberately malformed files) or not
@@ -70,7 +73,7 @@ SKIP_DIR_PREFIXES = ("config-",)
 SKIP_FILE_PREFIXES = ("_sysconfigdata",)
 GENERATED_MARKERS = ("gencodec.py",)
 MAX_FILE_BYTES = 400_000
-CALIB_FIRST_STEP, CALIB_LAST_STEP = 3, 23  # steps timed to check the run fits --max-minutes
+TIMING_START_STEP = 3  # step times are measured from here on; earlier steps compile
 
 CHECK_SNIPPET = (
     "class Stack:\n    def push(self, item):\n\tself._items.append(item)  \n\n"
@@ -82,7 +85,7 @@ SAMPLE_PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=1368)
     p.add_argument("--max-minutes", type=float, default=45.0, help="cap on the whole run")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test")
@@ -96,16 +99,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-position-embeddings", type=int, default=2048)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--val-fraction", type=float, default=0.03, help="share of files held out")
-    p.add_argument("--eval-windows", type=int, default=96, help="windows per final evaluation")
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-windows", type=int, default=160, help="windows per final evaluation")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--autocast", choices=["bf16", "none"], default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -187,7 +190,7 @@ def check_tokenizer(out: Path, samples: list[str]) -> PreTrainedTokenizerFast:
     """Load the saved tokenizer the way users do and check round trips and the template."""
     hf = AutoTokenizer.from_pretrained(out)
     for text in [CHECK_SNIPPET, *samples]:
-        ids = hf(text, add_special_tokens=True)["input_ids"]
+        ids = hf(text, add_special_tokens=True, verbose=False)["input_ids"]
         back = hf.decode(ids, skip_special_tokens=False)
         if back != text:
             raise SystemExit(f"tokenizer round trip failed on {text[:60]!r}")
@@ -312,20 +315,31 @@ def sample_generations(out: Path) -> list[dict[str, str]]:
     return samples
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    t_start = time.monotonic()
-    deadline = t_start + args.max_minutes * 60
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Corpus:
+    """The tokenised corpus. Streams are files joined by <|endoftext|>, in sorted path order."""
 
+    train_files: list[tuple[str, str]]  # (path relative to the stdlib, text)
+    val_files: list[tuple[str, str]]  # held out from both the tokenizer and the model
+    tokenizer: PreTrainedTokenizerFast  # reloaded from the saved output directory
+    train_stream: torch.Tensor
+    val_stream: torch.Tensor
+
+    def stats(self, files: list[tuple[str, str]], stream: torch.Tensor) -> dict[str, int]:
+        return {
+            "files": len(files),
+            "bytes": sum(len(t.encode()) for _, t in files),
+            "tokens": stream.numel(),
+        }
+
+
+def prepare_corpus(args: argparse.Namespace) -> Corpus:
+    """Collect and split the corpus, train and save the tokenizer, tokenise both splits."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = collect_corpus(stdlib, limit_files=60 if args.quick else None)
     shuffled = list(files)
     random.Random(args.seed).shuffle(shuffled)
-    n_val = max(1, round(len(files) * args.val_fraction))
-    val_names = {name for name, _ in shuffled[:n_val]}
+    val_names = {name for name, _ in shuffled[: max(1, round(len(files) * args.val_fraction))]}
     train_files = [(n, t) for n, t in files if n not in val_names]
     val_files = [(n, t) for n, t in files if n in val_names]
     print(f"corpus: {len(train_files)} train / {len(val_files)} val files from {stdlib}")
@@ -333,23 +347,28 @@ def main(argv: list[str] | None = None) -> None:
     tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
     save_tokenizer(tok, args.out, args.max_position_embeddings)
     hf = check_tokenizer(args.out, [t for _, t in val_files[:20]])
-    eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
-    train_stream = encode_stream(hf, [t for _, t in train_files])
-    val_stream = encode_stream(hf, [t for _, t in val_files])
-    train_bytes = sum(len(t.encode()) for _, t in train_files)
-    val_bytes = sum(len(t.encode()) for _, t in val_files)
+    corpus = Corpus(
+        train_files,
+        val_files,
+        hf,
+        encode_stream(hf, [t for _, t in train_files]),
+        encode_stream(hf, [t for _, t in val_files]),
+    )
+    train = corpus.stats(train_files, corpus.train_stream)
     print(
-        f"tokenizer: {len(hf)} tokens; train {train_bytes} B -> {train_stream.numel()} tokens "
-        f"({train_bytes / train_stream.numel():.2f} B/token); val {val_stream.numel()} tokens",
+        f"tokenizer: {len(hf)} tokens; train {train['bytes']} B -> {train['tokens']} tokens "
+        f"({train['bytes'] / train['tokens']:.2f} B/token); "
+        f"val {corpus.val_stream.numel()} tokens",
         flush=True,
     )
+    return corpus
 
-    model = build_model(args, len(hf), eos_id)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters", flush=True)
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (embeddings included), none on norm gains."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -358,37 +377,41 @@ def main(argv: list[str] | None = None) -> None:
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+
+
+def train(
+    model: Qwen3ForCausalLM, corpus: Corpus, args: argparse.Namespace, deadline: float
+) -> dict:
+    """Run the training loop; return the figures that go under "result" in TRAINING.json."""
+    opt = make_optimizer(model, args)
     forward = torch.compile(model) if args.compile else model
     autocast = args.autocast == "bf16"
-    val_windows = windows(val_stream, args.seq_len)
-    train_eval_windows = windows(train_stream, args.seq_len)
-    train_eval_windows = train_eval_windows[
-        torch.randperm(train_eval_windows.shape[0], generator=torch.Generator().manual_seed(0))
-    ]
-
-    # Leave time for the final evaluation, saving and the reload check.
+    val_windows = windows(corpus.val_stream, args.seq_len)
     t_train = time.monotonic()
+    # Leave time for the final evaluation, saving and the reload check.
     train_budget = max(1.0, deadline - t_train - 120)
     curve, recent, step, epoch = [], [], 0, 0
     final_train_loss = float("nan")
-    steps_planned, t_calib = args.steps, 0.0
-    stream = batches(train_stream, args)
+    steps_planned, t_timing, shortened = args.steps, 0.0, []
+    stream = batches(corpus.train_stream, args)
     model.train()
     while step < args.steps:
         elapsed = time.monotonic() - t_train
         if elapsed >= train_budget:
             print(f"stopping at step {step}: time cap reached", flush=True)
             break
-        if step == CALIB_FIRST_STEP:
-            t_calib = elapsed  # the first steps include compilation
-        elif step == CALIB_LAST_STEP:
-            # Shorten the run once, up front, if it would not fit in the time cap, so that
-            # the schedule stays a pure function of the (recorded) step count.
-            per_step = (elapsed - t_calib) / (CALIB_LAST_STEP - CALIB_FIRST_STEP)
-            fit = step + int(0.97 * (train_budget - elapsed) / per_step)
+        if step == TIMING_START_STEP:
+            t_timing = elapsed
+        elif step > TIMING_START_STEP and step % args.log_every == 0:
+            # Shorten (never lengthen) the run when it would overrun the time cap, so the
+            # cosine still reaches its floor. With a --steps that fits, this never fires and
+            # the schedule is a pure function of --steps; shortenings go to TRAINING.json.
+            per_step = (elapsed - t_timing) / (step - TIMING_START_STEP)
+            fit = step + int(0.98 * (train_budget - elapsed) / per_step)
             if fit < args.steps:
                 print(f"{per_step:.2f} s/step: shortening run to {fit} steps", flush=True)
                 args.steps = fit
+                shortened.append({"at_step": step, "steps": fit})
         lr = lr_at(step / args.steps, step, args)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -417,16 +440,33 @@ def main(argv: list[str] | None = None) -> None:
             curve[-1]["val_loss_subset"] = round(val, 4)
     train_seconds = time.monotonic() - t_train
 
+    train_windows = windows(corpus.train_stream, args.seq_len)
+    order = torch.randperm(train_windows.shape[0], generator=torch.Generator().manual_seed(0))
     val_loss = evaluate(model, val_windows, args)
-    train_eval_loss = evaluate(model, train_eval_windows, args)
+    train_eval_loss = evaluate(model, train_windows[order], args)
     print(f"final: train loss {final_train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-    model.generation_config = GenerationConfig()
-    save_model(model, args.out, eos_id, args)
-    samples = sample_generations(args.out)
+    tokens_seen = step * args.batch_size * args.seq_len
+    return {
+        "steps_run": step,
+        "stopped_by_time_cap": step < args.steps,
+        "tokens_seen": tokens_seen,
+        "epochs": round(tokens_seen / corpus.train_stream.numel(), 2),
+        "steps_planned": steps_planned,
+        "steps_shortened_for_time_cap": shortened,
+        "train_seconds": round(train_seconds, 1),
+        "final_train_loss": round(final_train_loss, 4),  # mean over the last log interval
+        "train_eval_loss": round(train_eval_loss, 4),  # same windows count as val_loss
+        "val_loss": round(val_loss, 4),
+        "val_windows": min(args.eval_windows, val_windows.shape[0]),
+        "loss_curve": curve,
+    }
 
-    cmd = "python scripts/train_builtin_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+def write_report(
+    args: argparse.Namespace, argv: list[str], corpus: Corpus, n_params: int, result: dict
+) -> dict:
     report = {
-        "command": cmd.strip(),
+        "command": " ".join(["python scripts/train_builtin_model.py", *argv]),
         "seed": args.seed,
         "python_version": platform.python_version(),
         "versions": {
@@ -441,14 +481,13 @@ def main(argv: list[str] | None = None) -> None:
             "generated charmap codec tables, _sysconfigdata and files over "
             f"{MAX_FILE_BYTES} bytes; files joined with {EOS_TOKEN}.",
             "license": "PSF License Agreement (Python Software Foundation License)",
-            "train": {"files": len(train_files), "bytes": train_bytes,
-                      "tokens": train_stream.numel()},
-            "validation": {"files": len(val_files), "bytes": val_bytes,
-                           "tokens": val_stream.numel(), "file_names": sorted(val_names)},
+            "train": corpus.stats(corpus.train_files, corpus.train_stream),
+            "validation": corpus.stats(corpus.val_files, corpus.val_stream)
+            | {"file_names": sorted(name for name, _ in corpus.val_files)},
         },
         "tokenizer": {
             "type": "byte-level BPE (tokenizers)",
-            "vocab_size": len(hf),
+            "vocab_size": len(corpus.tokenizer),
             "special_tokens": SPECIAL_TOKENS,
             "pre_tokenize_pattern": PRETOKENIZE_PATTERN,
         },
@@ -459,29 +498,33 @@ def main(argv: list[str] | None = None) -> None:
             "tie_word_embeddings": True,
         },
         "hyperparameters": {
-            k: getattr(args, k)
-            for k in (
-                "hidden_size", "intermediate_size", "layers", "heads", "kv_heads", "head_dim",
-                "max_position_embeddings", "rope_theta", "seq_len", "batch_size", "lr",
-                "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "threads",
-                "autocast", "compile", "steps",
-            )
-        } | {"optimizer": "AdamW(betas=(0.9, 0.95))", "schedule": "linear warmup, cosine decay"},
-        "result": {
-            "steps_run": step,
-            "stopped_by_time_cap": step < args.steps,
-            "tokens_seen": step * args.batch_size * args.seq_len,
-            "epochs": round(step * args.batch_size * args.seq_len / train_stream.numel(), 2),
-            "steps_planned": steps_planned,
-            "train_seconds": round(train_seconds, 1),
-            "final_train_loss": round(final_train_loss, 4),
-            "train_eval_loss": round(train_eval_loss, 4),
-            "val_loss": round(val_loss, 4),
-            "val_windows": min(args.eval_windows, val_windows.shape[0]),
-            "loss_curve": curve,
-        },
-        "greedy_samples": samples,
+            k: v for k, v in vars(args).items() if k not in ("out", "quick", "max_minutes")
+        }
+        | {"optimizer": "AdamW(betas=(0.9, 0.95))", "schedule": "linear warmup, cosine decay"},
+        "result": result,
     }
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    corpus = prepare_corpus(args)
+    eos_id = corpus.tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    model = build_model(args, len(corpus.tokenizer), eos_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters", flush=True)
+    result = train(model, corpus, args, deadline=t_start + args.max_minutes * 60)
+    model.generation_config = GenerationConfig()
+    save_model(model, args.out, eos_id, args)
+
+    report = write_report(args, argv, corpus, n_params, result)
+    report["greedy_samples"] = sample_generations(args.out)
     report["result"]["wall_seconds"] = round(time.monotonic() - t_start, 1)
     (args.out / "TRAINING.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out} in {report['result']['wall_seconds'] / 60:.1f} min", flush=True)
