@@ -7,7 +7,8 @@
 // threads, a range of its KV heads). All query heads of the item are processed together,
 // the query heads that share a KV head (the GQA group) included, so every cached K/V row is
 // read once per layer and step. Keys are visited block by block in block-table order, the
-// next block prefetched; the softmax is online (a running max and sum per query head; the
+// next blocks prefetched (scattered blocks defeat the hardware prefetcher at each jump);
+// the softmax is online (a running max and sum per query head; the
 // accumulator is rescaled when the max grows), all in float32 whatever the cache dtype.
 // Work items are split among torch's intra-op threads in contiguous ranges of about equal
 // key counts, so that the sorted short and long sequences balance.
@@ -124,17 +125,25 @@ inline vec16 load16(const c10::Half* p) {
 }
 
 // Touches the first cache line of every 4 KiB page that rows [0, rows) of a block (row_bytes
-// each, row_stride apart) occupy, one block ahead of use. Blocks are scattered, so each
-// page starts cold: this starts its DRAM fetch early and lets the hardware prefetcher
-// stream the rest of the page (measured better than prefetching every line, which stalls
-// on the outstanding-miss limit, and than none).
-inline void prefetch_pages(const char* p, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+// each, row_stride apart) occupy. Blocks are scattered, so each page of a block starts cold;
+// touching it two blocks ahead starts its DRAM fetch and the hardware prefetcher's stream.
+inline void prefetch_pages(const void* start, int64_t rows, int64_t row_stride,
+                           int64_t row_bytes) {
+  const char* p = static_cast<const char*>(start);
   constexpr int64_t kPage = 4096;
   const int64_t step = std::max<int64_t>(1, kPage / row_stride);
   for (int64_t t = 0; t < rows; t += step) {
     for (int64_t e = 0; e < row_bytes; e += kPage) {
       __builtin_prefetch(p + t * row_stride + e, 0, 3);
     }
+  }
+}
+
+// Prefetches the bytes [p, p + bytes) line by line (a K or V row of one head).
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t e = 0; e < bytes; e += 64) {
+    __builtin_prefetch(c + e, 0, 3);
   }
 }
 
@@ -234,19 +243,28 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     const int64_t base = static_cast<int64_t>(blocks[b]) * block_stride + h0 * D;
     const scalar_t* kb = k_cache + base;
     const scalar_t* vb = v_cache + base;
-    if (b + 1 < num_blocks) {
-      const int64_t next = static_cast<int64_t>(blocks[b + 1]) * block_stride + h0 * D;
-      const int64_t n_next = std::min(bs, seq_len - (b + 1) * bs);
-      const int64_t stride_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
-      prefetch_pages(reinterpret_cast<const char*>(k_cache + next), n_next, stride_bytes,
-                     row_bytes);
-      prefetch_pages(reinterpret_cast<const char*>(v_cache + next), n_next, stride_bytes,
-                     row_bytes);
+    const int64_t stride_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+    if (b + 2 < num_blocks) {
+      const int64_t far = static_cast<int64_t>(blocks[b + 2]) * block_stride + h0 * D;
+      const int64_t n_far = std::min(bs, seq_len - (b + 2) * bs);
+      prefetch_pages(k_cache + far, n_far, stride_bytes, row_bytes);
+      prefetch_pages(v_cache + far, n_far, stride_bytes, row_bytes);
     }
+    // The next block's rows are prefetched line by line, spread over this block's loops (a
+    // burst of them at once stalls on the limit of outstanding misses).
+    const bool has_next = b + 1 < num_blocks;
+    const int64_t n_next = has_next ? std::min(bs, seq_len - (b + 1) * bs) : 0;
+    const int64_t next = has_next ? static_cast<int64_t>(blocks[b + 1]) * block_stride + h0 * D : 0;
+    const scalar_t* kn = k_cache + next;
+    const scalar_t* vn = v_cache + next;
+    const int64_t head_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
     // Scores: each key row is loaded once for the G query heads of its KV head.
     for (int64_t h = 0; h < h1 - h0; ++h) {
       for (int64_t t = 0; t < n; ++t) {
         const scalar_t* kr = kb + t * token_stride + h * D;
+        if (t < n_next) {
+          prefetch_lines(kn + t * token_stride + h * D, head_bytes);
+        }
         if constexpr (kVector) {
           vec16 k[kChunks];
           for (int c = 0; c < kChunks; ++c) {
@@ -285,6 +303,9 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
           }
           for (int64_t t = 0; t < n; ++t) {
             const scalar_t* vr = vb + t * token_stride + h * D;
+            if (g == 0 && t < n_next) {
+              prefetch_lines(vn + t * token_stride + h * D, head_bytes);
+            }
             for (int c = 0; c < kChunks; ++c) {
               a[c] += pj[t] * load16(vr + c * kLanes);
             }
