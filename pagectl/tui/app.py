@@ -289,7 +289,8 @@ class PagectlTop(App[None]):
         )
         old = self.link
         self.link = link
-        if (old.state, old.read_only_reason) != (link.state, link.read_only_reason) or replay:
+        changed = (old.state, old.read_only_reason) != (link.state, link.read_only_reason)
+        if (changed or replay) and self.screen_stack:
             self.refresh_bindings()
         if hasattr(self, "body"):
             self.body.set_class(state == STALE, "-stale")
@@ -321,6 +322,8 @@ class PagectlTop(App[None]):
         self.block_map.set_spotlight(block_ids(row) if row is not None else None)
 
     def on_data_table_row_highlighted(self, event: RequestsTable.RowHighlighted) -> None:
+        if not self.screen_stack:
+            return  # a highlight queued while the app was closing: no screen left to update
         self._update_spotlight()
         self.refresh_bindings()
 
