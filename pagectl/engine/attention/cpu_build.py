@@ -182,6 +182,7 @@ def build_library(timeout_s: float = BUILD_TIMEOUT_S) -> Path:
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_name(f".{LIBRARY_NAME}.{os.getpid()}.tmp.so")
         cmd = compile_command(compiler, tmp)
+        log.info("compiling the CPU attention kernel (once per machine and torch) into %s", lib)
         t0 = time.monotonic()
         try:
             proc = subprocess.run(
