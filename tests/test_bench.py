@@ -177,23 +177,38 @@ def test_report_ratios_and_targets():
         ),
         EngineResult("hf-cb", "cb", 2, useful_output_tokens=1000, elapsed_s=4.0),
         EngineResult("hf-static", "st", 2, useful_output_tokens=1000, elapsed_s=5.0),
-        EngineResult("forward", "fw", tokens_per_s_override=2000.0),
+        EngineResult(
+            "forward",
+            "fw",
+            tokens_per_s_override=2000.0,
+            extra={"last_logits_tokens_per_s": 2800.0},
+        ),
     ]
     rep = throughput.build_report(spec, "m", results)
-    # Against the forward limit the engine's model tok/s counts: 1400 / 2000.
+    # Against the forward limit the engine's model tok/s counts: 1400 / 2000, and 1400 / 2800
+    # against the stricter probe that computes logits for the last position only.
     assert rep["ratios"] == {
         "pagectl/hf-cb": 4.0,
         "pagectl/hf-static": 5.0,
         "pagectl_useful/forward": 0.5,
+        "pagectl/forward_last_logits": 0.5,
         "pagectl/forward": 0.7,
     }
+    assert "pagectl/forward_last_logits" not in rep["targets"]
     assert rep["targets"]["pagectl/hf-cb"]["met"] is False  # 4x < 5x
     assert rep["targets"]["pagectl/hf-static"]["met"] is True
     assert rep["targets"]["pagectl/forward"]["met"] is True  # 0.7 >= 0.6
     json.loads(report.dumps(rep))  # strict JSON
     table = throughput.render_table(results)
     assert "4.00x" in table and "5.00x" in table and "0.70x" in table
-    assert "NOT met" in throughput.render_targets(rep)
+    targets = throughput.render_targets(rep)
+    assert "NOT met" in targets
+    assert "last-position logits only: 2800.0 tok/s" in targets and "0.50x" in targets
+    # A probe without the stricter figure prints no such line.
+    results[-1].extra = {}
+    assert "last-position" not in throughput.render_targets(
+        throughput.build_report(spec, "m", results)
+    )
 
 
 def test_report_with_a_skipped_peer_is_pending():
@@ -565,6 +580,7 @@ def test_bench_throughput_end_to_end(tmp_path):
         st["num_requests"] == total and st["num_length_mismatches"] == 0 and st["tokens_per_s"] > 0
     )
     assert rep["results"]["forward"]["tokens_per_s"] > 0
+    assert rep["results"]["forward"]["extra"]["last_logits_tokens_per_s"] > 0
     pc = rep["results"]["pagectl"]
     if pc["error"] is None:  # the engine is present: every request got exactly its length
         assert pc["num_length_mismatches"] == 0

@@ -224,6 +224,11 @@ def build_report(
             # forward's rate (useful output alone cannot reach it: prompts cost forwards too).
             r = ratio(pc.model_tokens_per_s if pc else None, peer_rate)
             ratios["pagectl_useful/forward"] = ratio(pc.tokens_per_s if pc else None, peer_rate)
+            # The stricter limit: the same forward with logits for the last position only.
+            last = peer.extra.get("last_logits_tokens_per_s") if peer else None
+            ratios["pagectl/forward_last_logits"] = ratio(
+                pc.model_tokens_per_s if pc else None, last
+            )
         else:
             r = ratio(pc.tokens_per_s if pc else None, peer_rate)
         ratios[f"pagectl/{name}"] = r
@@ -288,6 +293,13 @@ def render_targets(report: dict) -> str:
         lines.append(
             f"pagectl / {names[peer]} ({unit}): {fmt_ratio(r)} (target >= {t['target']:g}x: {state})"
         )
+        if peer == "forward" and report["ratios"].get("pagectl/forward_last_logits") is not None:
+            fwd = report["results"]["forward"]["extra"]
+            lines.append(
+                "  stricter limit, the same forward with last-position logits only: "
+                f"{fwd['last_logits_tokens_per_s']:.1f} tok/s; pagectl / that (model tok/s): "
+                f"{fmt_ratio(report['ratios']['pagectl/forward_last_logits'])}"
+            )
     return "\n".join(lines)
 
 
