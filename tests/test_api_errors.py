@@ -12,8 +12,9 @@ import pytest
 from tiny_models import build_tokenizer
 
 from pagectl.admin.app import ServerSettings, create_app
+from pagectl.admin.errors import APIError
 from pagectl.admin.testing import InProcessEngine, fake_engine
-from pagectl.admin.validation import parse_json
+from pagectl.admin.validation import ModelFacts, parse_chat, parse_completion, parse_json
 from pagectl.engine.args import EngineArgs
 
 MAX_LEN = 256
@@ -329,3 +330,44 @@ async def test_custom_allow_list(make_client):
     client, _ = await make_client(ServerSettings(api_keys=["k"], auth_allow=("/health",)))
     assert (await client.get("/health")).status == 200
     assert (await client.get("/metrics")).status == 401
+
+
+# -- the model's default sampling parameters ---------------------------------------------
+
+
+def test_unset_fields_take_the_models_defaults(tok_dir):
+    from pagectl.engine.tokenizer import load_tokenizer
+
+    defaults = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 40}
+    facts = ModelFacts("m", 384, 100, load_tokenizer(str(tok_dir)), defaults)
+    p = parse_completion({"prompt": [1, 2, 3]}, facts).params
+    assert (p.temperature, p.top_k, p.repetition_penalty, p.max_tokens) == (0.6, 20, 1.1, 40)
+    p = parse_completion({"prompt": [1, 2], "temperature": 0, "max_tokens": 7}, facts).params
+    assert (p.temperature, p.top_k, p.max_tokens) == (0, 20, 7)  # the request's own win
+    # A default max_tokens shrinks to the room the context leaves; an explicit one is refused.
+    assert parse_completion({"prompt": [1] * 90}, facts).params.max_tokens == 10
+    with pytest.raises(APIError, match="maximum context length is 100"):
+        parse_completion({"prompt": [1] * 90, "max_tokens": 11}, facts)
+    with pytest.raises(APIError, match="leaving no room"):
+        parse_completion({"prompt": [1] * 100}, facts)
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, facts).params
+    assert (chat.temperature, chat.max_tokens) == (0.6, 40)
+    # Without model defaults: OpenAI's (16 tokens for completions, the context for chat).
+    plain = ModelFacts("m", 384, 100, load_tokenizer(str(tok_dir)))
+    p = parse_completion({"prompt": [1, 2, 3]}, plain).params
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, 0, 16)
+    assert parse_completion({"prompt": [1] * 95}, plain).params.max_tokens == 5
+    assert (
+        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, plain).params.max_tokens
+        is None
+    )
+
+
+async def test_daemon_applies_the_engines_sampling_defaults(aiohttp_client, tok_dir):
+    built = fake_engine(EngineArgs(model=str(tok_dir), num_kv_blocks=64, max_model_len=MAX_LEN))
+    built.sampling_defaults = {"max_tokens": 5}
+    engine = InProcessEngine(built)
+    client = await aiohttp_client(create_app(ServerSettings(), engine))
+    resp = await client.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True})
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["completion_tokens"] == 5

@@ -18,7 +18,9 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed ([dev] extra)")
 def test_ruff_check():
-    res = _run("ruff", "check", "pagectl", "tests", "benchmarks", "scripts", "--output-format", "concise")
+    res = _run(
+        "ruff", "check", "pagectl", "tests", "benchmarks", "scripts", "--output-format", "concise"
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -3,6 +3,7 @@ min_tokens and stop strings against plain reference implementations on transform
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -229,6 +230,42 @@ def test_generate_cli_prints_the_same_text(llm, model_dir):
         timeout=180,
     )
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_default_sampling_params_come_from_the_generation_config(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = None
+    (path / "config.json").write_text(json.dumps(config))
+    gen = {"do_sample": True, "temperature": 0.5, "top_p": 0.8, "max_new_tokens": 3}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(str(path), dtype="float32", num_kv_blocks=32) as engine:
+        sp = engine.get_default_sampling_params()
+        assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.5, 0.8, 3)
+        assert (sp.top_k, sp.repetition_penalty) == (0, 1.0)  # not in the file: our defaults
+        # No eos in this generation config or config.json: every request runs to max_tokens.
+        assert engine.engine.eos_token_ids == ()
+        outs = engine.generate([[5, 6], [7, 8, 9]])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+        # Explicit params win over the file's.
+        out = engine.generate([[5]], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
+        assert len(out.token_ids) == 5
+    with LLM(str(path), dtype="float32", num_kv_blocks=32, generation_config="none") as engine:
+        sp = engine.get_default_sampling_params()
+        assert (sp.temperature, sp.top_p, sp.max_tokens) == (1.0, 1.0, 16)
+
+
+def test_generate_cli_reports_engine_errors_in_one_line(model_dir):
+    res = subprocess.run(
+        [sys.executable, "-m", "pagectl", "generate", "--model", str(model_dir)]
+        + ["--kv-cache-memory", "lots", "x"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 2
+    assert res.stderr.startswith("pagectl generate: not a size: 'lots'")
+    assert "Traceback" not in res.stderr
 
 
 def test_shutdown_is_idempotent(model_dir):

@@ -12,7 +12,7 @@ from pagectl.engine import builder
 from pagectl.engine.args import EngineArgs
 from pagectl.engine.builder import build_engine, resolve_model
 from pagectl.engine.loader import checkpoint_files, load_model, resolve_dtype, resolve_model_path
-from pagectl.engine.model_config import ModelConfig
+from pagectl.engine.model_config import ModelConfig, generation_defaults
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,58 @@ def test_generation_config_eos_list(tmp_path):
     (path / "generation_config.json").unlink()
     _rewrite_config(path, eos_token_id=7)
     assert ModelConfig.from_dir(path).eos_token_ids == (7,)
+
+
+def test_generation_config_sampling_defaults():
+    qwen3_style = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.0,
+        "repetition_penalty": 1.05,
+        "max_new_tokens": 300,
+        "eos_token_id": [1, 2],
+    }
+    assert generation_defaults(qwen3_style) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.0,
+        "repetition_penalty": 1.05,
+        "max_tokens": 300,
+    }
+    # transformers decodes greedily without do_sample and ignores the sampling knobs.
+    for flag in ({}, {"do_sample": False}):
+        got = generation_defaults({**flag, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 9})
+        assert got == {"max_tokens": 9}
+    # Values SamplingParams would refuse are left out, one by one.
+    sloppy = {
+        "do_sample": True,
+        "temperature": -1,
+        "top_p": 0,
+        "top_k": "20",
+        "min_p": 0.05,
+        "repetition_penalty": True,
+        "max_new_tokens": 0,
+    }
+    assert generation_defaults(sloppy) == {"min_p": 0.05}
+    assert generation_defaults({}) == {}
+
+
+def test_engine_takes_sampling_defaults_unless_turned_off(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "qwen3", with_tokenizer=False)
+    gen = {"do_sample": True, "temperature": 0.7, "top_k": 5, "eos_token_id": 0}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    assert ModelConfig.from_dir(path).sampling_defaults == {"temperature": 0.7, "top_k": 5}
+    built = build_engine(EngineArgs(model=str(path), num_kv_blocks=16))
+    assert built.sampling_defaults == {"temperature": 0.7, "top_k": 5}
+    built.shutdown()
+    off = build_engine(EngineArgs(model=str(path), num_kv_blocks=16, generation_config="none"))
+    assert off.sampling_defaults == {}
+    off.shutdown()
+    with pytest.raises(ValueError, match="generation_config must be one of auto, none"):
+        EngineArgs(generation_config="vllm")
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):

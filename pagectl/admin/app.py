@@ -220,7 +220,9 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
             tokenizer = await loop.run_in_executor(None, load_tokenizer, ready.tokenizer_path)
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
-    state.facts = ModelFacts(name, ready.vocab_size, ready.max_model_len, tokenizer)
+    state.facts = ModelFacts(
+        name, ready.vocab_size, ready.max_model_len, tokenizer, dict(ready.sampling_defaults)
+    )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
     static = {

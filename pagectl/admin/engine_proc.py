@@ -141,6 +141,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
                 vocab_size=built.vocab_size,
                 max_model_len=built.max_model_len,
                 eos_token_ids=list(built.eos_token_ids),
+                sampling_defaults=dict(built.sampling_defaults),
                 model_info=core.model_info,
                 config=core.scheduler.live_config(),
                 telemetry_endpoint=telemetry_ep,

@@ -82,6 +82,7 @@ class FakeBuiltEngine:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def shutdown(self) -> None:
         pass
@@ -161,6 +162,7 @@ class InProcessEngine:
             max_model_len=b.max_model_len,
             eos_token_ids=list(b.eos_token_ids),
             model_info=core.model_info,
+            sampling_defaults=dict(b.sampling_defaults),
             config=core.scheduler.live_config(),
             telemetry_endpoint="",
             control_endpoint="",

@@ -31,6 +31,9 @@ class ModelFacts:
     vocab_size: int
     max_model_len: int
     tokenizer: Any | None
+    # Default sampling parameters (from the model's generation_config.json): a field the
+    # request leaves out takes its value from here, then from SamplingParams' own default.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,6 +190,28 @@ def _sampling_kwargs(body: dict) -> dict[str, Any]:
     return kw
 
 
+def _with_defaults(
+    kw: dict[str, Any],
+    max_tokens: int | None,
+    prompts: list[Prompt],
+    facts: ModelFacts,
+    fallback_max_tokens: int | None,
+) -> dict[str, Any]:
+    """Fill what the request left out from the model's defaults. A max_tokens the request did
+    not give (the model's, else ``fallback_max_tokens``; None: the rest of the context) is
+    shortened to the room the context leaves, so it is never an error by itself."""
+    defaults = facts.sampling_defaults
+    out = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    out.update(kw)
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens", fallback_max_tokens)
+        if max_tokens is not None:
+            room = facts.max_model_len - max(len(p.token_ids) for p in prompts)
+            max_tokens = min(max_tokens, room) if room >= 1 else None
+    out["max_tokens"] = max_tokens
+    return out
+
+
 def _build_params(kw: dict[str, Any], vocab_size: int) -> SamplingParams:
     try:
         params = SamplingParams(**kw)
@@ -311,8 +336,8 @@ def parse_completion(body: dict, facts: ModelFacts) -> GenerationSpec:
     check_model(body, facts)
     _check_unsupported(body)
     prompts = parse_prompts(body.get("prompt"), facts)
-    kw = _sampling_kwargs(body)
-    kw["max_tokens"] = get_int(body, "max_tokens", 16)
+    # Completions default to 16 tokens (OpenAI's default) unless the model sets its own.
+    kw = _with_defaults(_sampling_kwargs(body), get_int(body, "max_tokens"), prompts, facts, 16)
     echo = get_bool(body, "echo")
     logprobs = get_int(body, "logprobs")
     if logprobs is not None:
@@ -388,11 +413,12 @@ def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
     check_model(body, facts)
     _check_unsupported(body)
     messages = parse_messages(body.get("messages"))
-    kw = _sampling_kwargs(body)
+    prompt = render_chat(messages, facts, body)
     max_tokens = get_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens")
-    kw["max_tokens"] = max_tokens
+    # Chat defaults to the whole remaining context unless the model sets a max_tokens.
+    kw = _with_defaults(_sampling_kwargs(body), max_tokens, [prompt], facts, None)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs")
     if top is not None and not want_logprobs:
@@ -401,7 +427,6 @@ def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
     if logprobs is not None:
         kw["logprobs"] = logprobs
     params = _build_params(kw, facts.vocab_size)
-    prompt = render_chat(messages, facts, body)
     spec = GenerationSpec([prompt], params, logprobs=logprobs)
     _common(body, spec)
     _check_context([prompt], params.max_tokens, facts, "messages")

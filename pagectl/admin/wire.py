@@ -70,6 +70,9 @@ class EngineReady(msgspec.Struct, tag="ready", tag_field="t", kw_only=True):
     max_model_len: int
     eos_token_ids: list[int]
     model_info: ModelInfo
+    # Default sampling parameters (SamplingParams field -> value) from the model's
+    # generation_config.json; a request's own values win.
+    sampling_defaults: dict[str, int | float] = {}
     # The live config at start (snake_case names, as in ``Scheduler.live_config``).
     config: dict[str, int | float | str | bool]
     # Admin endpoints actually bound (a tcp "*" port resolved).

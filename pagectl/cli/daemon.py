@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES
+from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
         "else torch",
+    )
+    m.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="auto (default): a request's unset sampling fields take the model's "
+        "generation_config.json values; none: the engine's own defaults",
     )
 
     c = p.add_argument_group("KV cache and scheduler")
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_threads=args.num_threads,
             attention_backend=args.attention_backend,
+            generation_config=args.generation_config,
         )
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:

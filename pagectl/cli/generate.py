@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS
+from pagectl.engine.args import ATTENTION_BACKENDS, GENERATION_CONFIG_MODES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
         "else torch",
     )
+    p.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="auto (default): unset sampling flags take the model's generation_config.json "
+        "values; none: the engine's own defaults",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,15 +57,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)"
     )
     add_engine_arguments(p)
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g = p.add_argument_group(
+        "sampling (a flag left out takes the model's generation_config.json value, else the "
+        "default shown)"
+    )
+    g.add_argument("--max-tokens", type=int, default=None, help="default 64")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default, as transformers' generate without do_sample)",
+    )
+    g.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    g.add_argument("--top-k", type=int, default=None, help="default 0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="default 0.0")
+    g.add_argument("--presence-penalty", type=float, default=None, help="default 0.0")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="default 0.0")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     g.add_argument("-n", type=int, default=1, help="number of samples")
@@ -90,7 +105,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
+        generation_config=args.generation_config,
     )
+
+
+# Sampling flags that fall back to the model's defaults when left out.
+_DEFAULTED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,27 +128,29 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    try:
-        sp = SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            min_tokens=args.min_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.sampling_seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
-    except ValueError as e:
+    given = {k: getattr(args, k) for k in _DEFAULTED if getattr(args, k) is not None}
+    try:  # bad flags fail before the model loads
+        SamplingParams(n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, **given)
+        llm = LLM(**engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as e:
         print(f"pagectl generate: {e}", file=sys.stderr)
         return 2
-    with LLM(**engine_kwargs(args)) as llm:
+    with llm:
+        defaults = llm.engine.sampling_defaults
+        kw: dict = {"temperature": 0.0}
+        kw.update({k: v for k, v in defaults.items() if k in _DEFAULTED})
+        kw.update(given)
+        max_tokens = args.max_tokens if args.max_tokens is not None else defaults.get("max_tokens")
         try:
+            sp = SamplingParams(
+                n=args.n,
+                max_tokens=max_tokens if max_tokens is not None else 64,
+                min_tokens=args.min_tokens,
+                seed=args.sampling_seed,
+                stop=args.stop,
+                ignore_eos=args.ignore_eos,
+                **kw,
+            )
             if args.chat:
                 outs = llm.chat([{"role": "user", "content": prompt}], sp)
             else:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "flash")
+GENERATION_CONFIG_MODES = ("auto", "none")
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -83,6 +84,10 @@ class EngineArgs:
     # Attention backend: "auto", "torch", "cpu-kernel" (compiled on first use) or "flash"
     # (CUDA with flash-attn importable); "auto" picks flash, else the CPU kernel, else torch.
     attention_backend: str = "auto"
+    # Default sampling parameters: "auto" takes them from the model's generation_config.json
+    # (temperature, top_p, top_k, min_p when it sets do_sample; repetition_penalty;
+    # max_new_tokens as max_tokens), "none" keeps the engine's own (OpenAI's) defaults.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,6 +106,12 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
+                f"got {self.generation_config!r}"
             )
 
     def to_dict(self) -> dict:

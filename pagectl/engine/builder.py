@@ -19,7 +19,7 @@ can hold, since block ids are the same everywhere.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,8 @@ class BuiltEngine:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # Default SamplingParams fields (from generation_config.json unless turned off).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Ranks 1..N-1 of a tensor-parallel engine, and whether this engine started them (and so
     # ends them at shutdown) or borrowed them.
     tp_workers: TPWorkers | None = None
@@ -225,6 +227,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         mcfg.vocab_size,
         rank.max_model_len,
         tuple(eos),
+        sampling_defaults=dict(mcfg.sampling_defaults) if args.generation_config == "auto" else {},
         tp_workers=workers,
         owns_tp_workers=owned,
         previous_num_threads=previous_threads,

@@ -127,6 +127,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none: the
+        model's generation_config.json settings over the engine's defaults (with
+        ``generation_config="none"``, the engine's defaults alone)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -138,11 +144,12 @@ class LLM:
         """Generate for one prompt or a list of them.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
-        token ids. ``sampling_params`` is one for all prompts or one per prompt.
+        token ids. ``sampling_params`` is one for all prompts or one per prompt; none means
+        ``get_default_sampling_params()``.
         """
         plist = self._normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:

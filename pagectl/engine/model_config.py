@@ -6,7 +6,8 @@ Reads ``config.json`` in both styles found in the wild:
   ``rope_type``);
 - transformers v5: ``dtype``, ``rope_parameters`` (holding ``rope_theta`` and ``rope_type``).
 
-and ``generation_config.json`` (``eos_token_id`` may be an int or a list). No transformers
+and ``generation_config.json`` (``eos_token_id`` may be an int or a list; its sampling
+settings become the model's default sampling parameters). No transformers
 import: the engine reads the JSON itself, so a checkpoint saved by any version loads the same.
 """
 
@@ -84,6 +85,8 @@ class ModelConfig:
     # End-of-sequence ids: generation_config.json's when present, else config.json's.
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # SamplingParams defaults from generation_config.json (see ``generation_defaults``).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
     # The parsed config.json, for architecture-specific fields.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -141,6 +144,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id")
             if isinstance(cfg.get("bos_token_id"), int)
             else None,
+            sampling_defaults=generation_defaults(generation or {}),
             raw=cfg,
         )
 
@@ -195,6 +199,44 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
         original_max_position_embeddings=int(original) if original is not None else None,
         extra=params,
     )
+
+
+# generation_config.json keys that map onto SamplingParams fields (HF name -> ours).
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+}
+_ALWAYS_KEYS = {"repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    """The default sampling parameters a checkpoint's generation_config.json asks for.
+
+    transformers' meaning is kept: temperature, top_p, top_k and min_p apply only when
+    ``do_sample`` is true (otherwise transformers decodes greedily and ignores them), while
+    ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``) always apply. A value
+    that SamplingParams would reject (a negative temperature, a top_p of 0, a string) is
+    left out, so a sloppy file never makes every request fail.
+    """
+    from pagectl.engine.sampling_params import SamplingParams
+
+    keys = dict(_ALWAYS_KEYS)
+    if gen.get("do_sample") is True:
+        keys.update(_SAMPLING_KEYS)
+    out: dict[str, Any] = {}
+    for hf_name, name in keys.items():
+        value = gen.get(hf_name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        one: dict[str, Any] = {name: value}
+        try:
+            SamplingParams(**one)
+        except (ValueError, TypeError):
+            continue
+        out[name] = value
+    return out
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:
