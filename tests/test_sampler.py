@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pagectl.engine.request import Request
-from pagectl.engine.runner import sampler as sampler_module
-from pagectl.engine.runner.sampler import Sampler, SamplerResult, compute_prompt_logprobs
+from pagectl.engine.runner import logits_ops
+from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
+from pagectl.engine.runner.sampler import Sampler, SamplerResult
 from pagectl.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -182,7 +183,7 @@ def test_sampling_matches_reference_distribution(params, draw):
 @pytest.mark.parametrize("candidates", [(1024,), (12,), (1, 8, 24)])
 def test_truncated_distribution_equals_reference_exactly_row_by_row(candidates, monkeypatch):
     # 1024 > vocab: one full sort. Smaller: the candidate path, retried wider, then a full sort.
-    monkeypatch.setattr(sampler_module, "_TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(logits_ops, "_TOP_P_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(3)
     rows = 80
     logits = torch.randn(rows, 64, generator=gen) * 3
@@ -459,7 +460,7 @@ def test_prompt_logprobs_match_log_softmax(monkeypatch):
     logits = torch.randn(13, 70, generator=gen) * 3
     targets = torch.randint(64, (13,), generator=gen)
     # Blocks of 2 positions (140 elements / 70 columns): the blocking must not shift anything.
-    monkeypatch.setattr(sampler_module, "_PROMPT_BLOCK_ELEMS", 140)
+    monkeypatch.setattr(logits_ops, "_PROMPT_BLOCK_ELEMS", 140)
     entries = compute_prompt_logprobs(logits, targets, 4, vocab_size=64)
     assert len(entries) == 13
     for i, entry in enumerate(entries):
@@ -477,5 +478,5 @@ def test_unknown_draw_method_is_refused():
 def test_top_k_still_cuts_when_top_p_is_just_below_one():
     # The renormalised top-k mass rounds to just under 1 - 1e-12: top-k must still bound it.
     logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(13)) * 3
-    sampler_module.apply_top_k_top_p(logits, [3] * 200, [1 - 1e-12] * 200)
+    logits_ops.apply_top_k_top_p(logits, [3] * 200, [1 - 1e-12] * 200)
     assert (logits > float("-inf")).sum(dim=-1).tolist() == [3] * 200

@@ -215,7 +215,7 @@ class ModelRunner:
                     logprobs[i] = lp
         prompt_logprobs = None
         if plan.prompt_logprobs:
-            from pagectl.engine.runner.sampler import compute_prompt_logprobs
+            from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
 
             prompt_logprobs = {}
             for pl in plan.prompt_logprobs:
