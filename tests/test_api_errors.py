@@ -13,8 +13,9 @@ from tiny_models import build_tokenizer
 
 from pagectl.admin.app import ServerSettings, create_app
 from pagectl.admin.errors import APIError
+from pagectl.admin.json_fields import parse_json
 from pagectl.admin.testing import InProcessEngine, fake_engine
-from pagectl.admin.validation import ModelFacts, parse_chat, parse_completion, parse_json
+from pagectl.admin.validation import ModelFacts, parse_chat, parse_completion
 from pagectl.engine.args import EngineArgs
 
 MAX_LEN = 256

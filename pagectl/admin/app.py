@@ -21,8 +21,9 @@ from aiohttp import web
 from pagectl.admin import wire
 from pagectl.admin.errors import APIError, error_body
 from pagectl.admin.formatting import TokenText
+from pagectl.admin.json_fields import parse_json
 from pagectl.admin.metrics import Metrics
-from pagectl.admin.validation import ModelFacts, parse_json
+from pagectl.admin.validation import ModelFacts
 
 log = logging.getLogger("pagectl.admin")
 

@@ -8,10 +8,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagectl import __version__
 from pagectl.admin.app import STATE, read_body
 from pagectl.admin.errors import APIError, bad_request
+from pagectl.admin.json_fields import get_bool
 from pagectl.admin.openai_api import chat_completions, completions
 from pagectl.admin.validation import (
     check_model,
-    get_bool,
     parse_messages,
     parse_prompts,
     render_chat,

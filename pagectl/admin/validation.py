@@ -1,19 +1,19 @@
 """Request validation for the OpenAI-compatible API: everything is checked here, in the API
 server, before anything reaches the engine.
 
-``parse_json`` refuses what Python's JSON parser would let through (NaN, Infinity, numbers
-that overflow to infinity); ``parse_completion`` / ``parse_chat`` turn a body into a
+The body was parsed by ``json_fields.parse_json`` (which refuses NaN, Infinity and numbers
+that overflow); ``parse_completion`` / ``parse_chat`` turn a body into a
 ``GenerationSpec`` or raise ``APIError`` (400 / 404) naming the offending field.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagectl.admin.errors import APIError, bad_request
+from pagectl.admin.json_fields import get_bool, get_int, get_number, get_str, is_int
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.tokenizer import apply_chat_template
 
@@ -57,78 +57,6 @@ class GenerationSpec:
     priority: int = 0
     cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-# -- JSON ---------------------------------------------------------------------------------
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
-    return value
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object. NaN, Infinity and overflowing numbers are refused."""
-    try:
-        obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-# -- field readers ------------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def get_int(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
-    return v
-
-
-def get_number(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
-    return v
-
-
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be true or false, got {json.dumps(v)}", name)
-    return v
-
-
-def get_str(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{name} must be a string, got {json.dumps(v)}", name)
-    return v
 
 
 def check_model(body: dict, facts: ModelFacts) -> None:
@@ -179,7 +107,7 @@ def _sampling_kwargs(body: dict) -> dict[str, Any]:
         kw["stop"] = stop
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not all(is_int(t) for t in ids):
             raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
         kw["stop_token_ids"] = ids
     bias = body.get("logit_bias")
@@ -284,7 +212,7 @@ def _token_prompt(ids: list, facts: ModelFacts) -> Prompt:
         raise bad_request("the prompt is empty", "prompt")
     vocab = facts.vocab_size
     for t in ids:
-        if not _is_int(t) or not 0 <= t < vocab:
+        if not is_int(t) or not 0 <= t < vocab:
             raise bad_request(
                 f"prompt token id {json.dumps(t)} is outside the vocabulary [0, {vocab})", "prompt"
             )
@@ -318,7 +246,7 @@ def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
         raise shape_error
     if not value:
         raise bad_request("the prompt is empty", "prompt")
-    if all(_is_int(t) for t in value):
+    if all(is_int(t) for t in value):
         return [_token_prompt(value, facts)]
     if len(value) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
