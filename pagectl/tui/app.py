@@ -2,8 +2,8 @@
 
 The app is handed an ``AdminSource`` (live ZMQ, a replay, or a fake in tests) and never does
 I/O on the event loop: a worker pumps telemetry frames, decoding and block classification run
-in a thread, and every command is its own worker whose answer (accepted, or the daemon's
-error) is shown as a notice.
+in a thread. The app holds the layout, the telemetry pump, the link state and the selection;
+the operator actions and command sending come from ``ConsoleActions`` (``actions.py``).
 """
 
 from __future__ import annotations
@@ -18,20 +18,10 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
-from pagectl.engine.commands import (
-    Abort,
-    Command,
-    CommandError,
-    InspectBlock,
-    Pause,
-    ResetPrefixCache,
-    Resume,
-    SetConfig,
-    SetPrefixCaching,
-)
+from pagectl.engine.commands import Command, CommandError, InspectBlock
 from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
-from pagectl.tui import fmt
-from pagectl.tui.blockmodel import block_ids, seq_id
+from pagectl.tui.actions import ConsoleActions, describe_result
+from pagectl.tui.blockmodel import block_ids
 from pagectl.tui.connection import (
     CONNECTING,
     LIVE,
@@ -42,13 +32,9 @@ from pagectl.tui.connection import (
     Connection,
 )
 from pagectl.tui.history import History
-from pagectl.tui.knobs import BUDGET, MAX_SEQS, Knob, step
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
 from pagectl.tui.recording import RecordWriter
-from pagectl.tui.screens.confirm import ConfirmScreen
-from pagectl.tui.screens.help import HelpScreen
-from pagectl.tui.screens.prompt import ValuePrompt
 from pagectl.tui.source import AdminSource, PlaybackControl
 from pagectl.tui.widgets.block_detail import BlockDetail, Inspection
 from pagectl.tui.widgets.block_map import BlockMapView
@@ -59,31 +45,15 @@ from pagectl.tui.widgets.legend import Legend
 from pagectl.tui.widgets.requests_table import RequestsTable
 from pagectl.tui.widgets.trends import Trends
 
-# Actions that send a command to the daemon: greyed out unless the control channel works.
-CONTROL_ACTIONS = frozenset(
-    {"toggle_prefix_caching", "budget", "max_seqs", "reset_prefix_cache", "abort"}
-)
 
-
-def describe_result(command: Command, result: dict) -> str:
-    """One line for the operator from a command's result."""
-    if "name" in result and "old" in result:
-        return f"{result['name']}: {result['old']} → {result['new']}"
-    if isinstance(command, ResetPrefixCache):
-        return f"prefix cache reset: {fmt.count(result.get('released_blocks', 0))} cached blocks released"
-    if isinstance(command, (Pause, Resume)):
-        return "admission paused" if result.get("paused") else "admission resumed"
-    if isinstance(command, Abort):
-        return f"aborted {result.get('aborted', command.request_id)}"
-    return ", ".join(f"{k}={v}" for k, v in result.items()) or "ok"
-
-
-class PagectlTop(App[None]):
+class PagectlTop(ConsoleActions, App[None]):
     """The console. ``clock`` (time.time by default) measures telemetry age."""
 
     CSS_PATH = "app.tcss"
     TITLE = "pagectl top"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
+    # The keys for ConsoleActions' actions. They stay here: Textual merges BINDINGS only from
+    # DOMNode subclasses in the MRO, and the mixin is a plain class at runtime.
     BINDINGS = [
         Binding("p", "toggle_prefix_caching", "Prefix cache", id="pagectl.prefix_caching"),
         Binding(
@@ -360,161 +330,6 @@ class PagectlTop(App[None]):
         except CommandError as e:
             self.inspection = Inspection(block_id, None, f"{e.kind}: {e.message}")
         self._refresh_detail()
-
-    # -- commands -----------------------------------------------------------------------
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        replay = isinstance(self.source, PlaybackControl)
-        if action == "speed":
-            return replay
-        if action == "pause":
-            return True if replay else (True if self.control_ready else None)
-        if action in CONTROL_ACTIONS:
-            if replay:
-                return None
-            if not self.control_ready:
-                return None
-            if action == "abort" and self.selected_request is None:
-                return None
-        return True
-
-    def send_command(self, command: Command, what: str):
-        """Send ``command`` in a worker; the answer becomes a notice (and the worker's result)."""
-        return self.run_worker(self._send(command, what), group="control", exit_on_error=False)
-
-    async def _send(self, command: Command, what: str) -> dict | None:
-        try:
-            result = await self.source.send(command)
-        except CommandError as e:
-            text = f"{what}: {e.kind} — {e.message}"
-            self.answers.append((command, False, text))
-            self.notify(text, title="Refused", severity="error", timeout=8)
-            self.event_log.note(self.clock(), f"{what} refused: {e.kind}: {e.message}", "error")
-            return None
-        text = describe_result(command, result)
-        self.answers.append((command, True, text))
-        self.notify(text, title="Accepted")
-        snap = self.snapshot
-        if snap is not None and "name" in result and "new" in result:
-            # Until the next snapshot says so, show (and step from) the new value.
-            snap.config[result["name"]] = result["new"]
-            self._refresh_panels()
-        return result
-
-    def action_toggle_prefix_caching(self) -> None:
-        on = bool(self.config.get("enable_prefix_caching", True))
-        self.send_command(
-            SetPrefixCaching(enabled=not on), "prefix caching off" if on else "prefix caching on"
-        )
-
-    def _step_knob(self, knob: Knob, direction: int) -> None:
-        cfg = self.config
-        current = cfg.get(knob.name)
-        if not isinstance(current, int):
-            return
-        new = step(knob, current, direction, cfg)
-        if new == current:
-            self.notify(f"{knob.name} is already at its limit ({current})", severity="warning")
-            return
-        self.set_knob(knob, new)
-
-    def action_budget(self, direction: int) -> None:
-        self._step_knob(BUDGET, direction)
-
-    def action_max_seqs(self, direction: int) -> None:
-        self._step_knob(MAX_SEQS, direction)
-
-    def set_knob(self, knob: Knob, value: int) -> None:
-        self.send_command(SetConfig(name=knob.name, value=value), f"set {knob.name} {value}")
-
-    def prompt_knob(self, knob: Knob) -> None:
-        cfg = self.config
-        high = cfg.get(knob.limit_key) if knob.limit_key else None
-        prompt = ValuePrompt(
-            f"Set {knob.name}",
-            int(cfg.get(knob.name, 0)),
-            knob.low,
-            high if isinstance(high, int) else None,
-            knob.help,
-        )
-        self.push_screen(
-            prompt, lambda value: self.set_knob(knob, value) if value is not None else None
-        )
-
-    def action_reset_prefix_cache(self) -> None:
-        snap = self.snapshot
-        cached = snap.num_cached_free_blocks if snap else 0
-        self.push_screen(
-            ConfirmScreen(
-                "Reset the prefix cache?",
-                f"{fmt.count(cached)} cached blocks will be released; running requests keep theirs.",
-            ),
-            lambda yes: (
-                self.send_command(ResetPrefixCache(), "reset prefix cache") if yes else None
-            ),
-        )
-
-    def action_pause(self) -> None:
-        src = self.source
-        if isinstance(src, PlaybackControl):
-            src.set_paused(not src.paused)
-            self._tick()
-            return
-        paused = bool(self.config.get("paused")) or (
-            self.snapshot is not None and self.snapshot.engine_state == "paused"
-        )
-        if paused:
-            self.send_command(Resume(), "resume admission")
-        else:
-            self.send_command(Pause(), "pause admission")
-
-    def action_abort(self) -> None:
-        row = self.selected_request
-        if row is None:
-            return
-        samples = sum(
-            1
-            for r in (self.snapshot.requests if self.snapshot else [])
-            if r.request_id == row.request_id
-        )
-        detail = f"{samples} samples, " if samples > 1 else ""
-        self.push_screen(
-            ConfirmScreen(
-                f"Abort request {row.request_id}?",
-                f"Its sequences ({detail}{row.num_output_tokens} tokens generated in {seq_id(row)}) "
-                "end with finish reason 'abort' and their blocks are freed.",
-            ),
-            lambda yes: (
-                self.send_command(Abort(request_id=row.request_id), f"abort {row.request_id}")
-                if yes
-                else None
-            ),
-        )
-
-    def action_speed(self, factor: float) -> None:
-        src = self.source
-        if isinstance(src, PlaybackControl):
-            src.set_speed(src.speed * factor)
-            self.notify(f"replay speed {src.speed:g}x")
-            self._tick()
-
-    def action_help(self) -> None:
-        cost = self.current.cost_s * 1000 if self.current else 0.0
-        diagnostics = (
-            f"Frames: {fmt.count(self.frames_received)} received, {fmt.count(self.frames_applied)} shown, "
-            f"{fmt.count(self.frames_skipped)} skipped by conflation; last decode+prepare {cost:.1f} ms."
-        )
-        self.push_screen(HelpScreen(diagnostics))
-
-    def sort_requests(self, column: str | None) -> None:
-        table = self.requests_table
-        if column is not None and column == table.sort_column:
-            table.sort_by(column, not table.sort_reverse)
-        else:
-            table.sort_by(column, reverse=column not in (None, "id", "state"))
-
-    def map_fit(self) -> None:
-        self.block_map.action_zoom_fit()
 
 
 def run_console(source: AdminSource, **kw) -> None:
