@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from pagectl.admin.errors import bad_request
@@ -47,37 +48,26 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def get_int(body: dict, name: str, default: Any = None) -> Any:
+def _field(body: dict, name: str, default: Any, ok: Callable[[Any], bool], kind: str) -> Any:
     v = body.get(name)
     if v is None:
         return default
-    if not is_int(v):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
+    if not ok(v):
+        raise bad_request(f"{name} must be {kind}, got {json.dumps(v)}", name)
     return v
+
+
+def get_int(body: dict, name: str, default: Any = None) -> Any:
+    return _field(body, name, default, is_int, "an integer")
 
 
 def get_number(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_number(v):
-        raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
-    return v
+    return _field(body, name, default, is_number, "a number")
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be true or false, got {json.dumps(v)}", name)
-    return v
+    return _field(body, name, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def get_str(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{name} must be a string, got {json.dumps(v)}", name)
-    return v
+    return _field(body, name, default, lambda v: isinstance(v, str), "a string")
