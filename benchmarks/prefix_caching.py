@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 16384
     model = args.model
     if not args.simulate:
+        from pagectl.bench.options import model_vocab_size
         from pagectl.bench.synthetic import ensure_synthetic_model
-        from pagectl.bench.throughput import model_vocab_size
 
         if model is None:
             print(

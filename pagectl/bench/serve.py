@@ -23,14 +23,14 @@ import urllib.request
 from dataclasses import asdict
 from typing import Any
 
-from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
-from pagectl.bench.stats import serving_metrics
-from pagectl.bench.throughput import (
+from pagectl.bench.options import (
     add_model_arguments,
     add_workload_arguments,
     resolve_model,
     workload_from_args,
 )
+from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
+from pagectl.bench.stats import serving_metrics
 from pagectl.bench.workload import BenchRequest
 
 SERVE_PEERS = ("hf-serve",)
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagectl bench serve: unknown peer(s) {', '.join(bad)}", file=sys.stderr)
         return 2
     from pagectl.bench import servers
-    from pagectl.bench.throughput import model_vocab_size
+    from pagectl.bench.options import model_vocab_size
 
     if args.url and args.model is None and args.synthetic_model is None:
         print(
