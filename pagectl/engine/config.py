@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority")
 
@@ -36,9 +36,6 @@ class SchedulerConfig:
         if not self.max_num_batched_tokens_limit:
             self.max_num_batched_tokens_limit = 4 * self.max_num_batched_tokens
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class CacheConfig:
@@ -48,7 +45,8 @@ class CacheConfig:
     block_size: int = 16
     # Blocks in the pool.
     num_kv_blocks: int = 1024
-    # Live. Whether full blocks are registered and looked up by content hash.
+    # Whether full blocks are registered and looked up by content hash, at start-up (changed
+    # live through ``Scheduler.set``, which the KV manager then holds).
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

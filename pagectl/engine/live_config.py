@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagectl.engine.config import CacheConfig, SchedulerConfig
+    from pagectl.engine.config import SchedulerConfig
     from pagectl.engine.kv.manager import KVCacheManager
     from pagectl.engine.request import Request
     from pagectl.engine.telemetry import Event
@@ -25,7 +25,6 @@ class LiveConfigMixin:
     """Live configuration of a ``Scheduler`` (which provides the attributes below)."""
 
     config: SchedulerConfig
-    cache_config: CacheConfig
     kv: KVCacheManager
     running: list[Request]
     paused: bool
@@ -86,7 +85,6 @@ class LiveConfigMixin:
         if enabled == kv.enable_prefix_caching:
             return
         kv.enable_prefix_caching = enabled
-        self.cache_config.enable_prefix_caching = enabled
         if not enabled:
             # Stop lookups and new entries; cached-but-unused blocks become plain free blocks.
             # Running sequences keep their blocks and re-register them if caching returns.

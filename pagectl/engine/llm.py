@@ -231,7 +231,6 @@ class LLM:
         core = self.core
         rids = [f"llm-{next(self._ids)}" for _ in encoded]
         seqs: dict[tuple[str, int], _Seq] = {}
-        meta: dict[str, tuple[int, SamplingParams]] = {}
         prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         cached: dict[str, int] = {}
         added: list[str] = []
@@ -245,7 +244,6 @@ class LLM:
                     cache_salt=cache_salt,
                 )
                 added.append(rids[i])
-                meta[rids[i]] = (i, sp)
                 if sp.prompt_logprobs is not None:
                     prompt_lps[rids[i]] = [None]
                 for j in range(sp.n):
@@ -287,8 +285,7 @@ class LLM:
             core.scheduler.take_pending_outputs()
             raise
         results = []
-        for rid, (prompt, ids) in zip(rids, encoded):
-            _, sp = meta[rid]
+        for rid, (prompt, ids), sp in zip(rids, encoded, params):
             outs = []
             for j in range(sp.n):
                 s = seqs[(rid, j)]

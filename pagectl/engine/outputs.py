@@ -36,8 +36,6 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Sequences that left the engine since the previous step: runners drop per-seq state.
     finished_seq_ids: list[str] = field(default_factory=list)
-    # Sequences preempted while building this step (they hold no blocks any more).
-    preempted_seq_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -140,10 +140,6 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.all_token_ids[: self.num_prompt_tokens]
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 

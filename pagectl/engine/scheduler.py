@@ -40,7 +40,6 @@ class Scheduler(LiveConfigMixin):
         event_history: int = 256,
     ) -> None:
         self.config = scheduler_config
-        self.cache_config = cache_config
         # Start-up value: the live running cap may not exceed it.
         self.max_num_seqs_limit = scheduler_config.max_num_seqs
         self.block_size = cache_config.block_size
@@ -209,7 +208,6 @@ class Scheduler(LiveConfigMixin):
             # Kept until a step runs: the runner learns of finished sequences only through
             # an executed step.
             finished_seq_ids=self._drain_finished_ids() if seqs or block_copies else [],
-            preempted_seq_ids=[r.seq_id for r in preempted],
         )
 
     def _admit(
@@ -288,9 +286,9 @@ class Scheduler(LiveConfigMixin):
         )
 
     def _finish_unfittable(self, req: Request) -> None:
-        need = self.kv.blocks_needed(req.num_computed_tokens + 1)
         if req.num_output_tokens > 0:
             status = RequestStatus.FINISHED_LENGTH
+            need = self.kv.blocks_needed(req.num_computed_tokens + 1)
         else:
             status = RequestStatus.FINISHED_ERROR
             need = self.kv.blocks_needed(req.target_num_tokens + 1)

@@ -13,7 +13,7 @@ class WaitingQueue:
     """Waiting sequences in service order. Removal is lazy: finished entries are skipped."""
 
     def __init__(self, policy: str) -> None:
-        self.policy = policy
+        self._by_priority = policy == "priority"
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[tuple[int, float, int], Request]] = []
         self._live = 0
@@ -22,7 +22,7 @@ class WaitingQueue:
         return self._live
 
     def push(self, req: Request) -> None:
-        if self.policy == "priority":
+        if self._by_priority:
             heapq.heappush(self._heap, (req.priority_key, req))
         else:
             self._fifo.append(req)
@@ -30,18 +30,18 @@ class WaitingQueue:
 
     def push_front(self, req: Request) -> None:
         """Put a preempted sequence back where it is served next (priority: its own key)."""
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority_key, req))
+        if self._by_priority:
+            self.push(req)
         else:
             self._fifo.appendleft(req)
-        self._live += 1
+            self._live += 1
 
     def discard(self, req: Request) -> None:
         """Forget ``req`` (already marked finished); its entry is skipped later."""
         self._live -= 1
 
     def peek(self) -> Request | None:
-        if self.policy == "priority":
+        if self._by_priority:
             heap = self._heap
             while heap and heap[0][1].status.finished:
                 heapq.heappop(heap)
@@ -54,7 +54,7 @@ class WaitingQueue:
     def pop(self) -> Request:
         req = self.peek()
         assert req is not None
-        if self.policy == "priority":
+        if self._by_priority:
             heapq.heappop(self._heap)
         else:
             self._fifo.popleft()
@@ -62,7 +62,7 @@ class WaitingQueue:
         return req
 
     def __iter__(self) -> Iterator[Request]:
-        if self.policy == "priority":
+        if self._by_priority:
             items = [r for _, r in sorted(self._heap, key=lambda e: e[0])]
         else:
             items = list(self._fifo)

@@ -95,22 +95,19 @@ class KVCacheManager:
         """
         bs = self.block_size
         blocks = req.blocks
-        n_hit = len(new_computed_blocks) if new_computed_blocks else 0
-        num_computed = req.num_computed_tokens + n_hit * bs
-        need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - n_hit
+        hits = new_computed_blocks or []
+        num_computed = req.num_computed_tokens + len(hits) * bs
+        need = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hits)
         # Copy-on-write: the next slot lies inside a block that others hold too.
         cow = bool(num_new_tokens > 0 and num_computed % bs and blocks and blocks[-1].ref_cnt > 1)
-        num_from_free = max(need, 0) + cow
-        if n_hit:
-            assert new_computed_blocks is not None
-            num_from_free += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        # Hit blocks sitting in the free list (cached, unused) leave it too.
+        num_from_free = max(need, 0) + cow + sum(1 for b in hits if b.ref_cnt == 0)
         if num_from_free > self.pool.free_block_queue.num_free_blocks:
             return False
-        if n_hit:
-            assert new_computed_blocks is not None
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            req.block_ids.extend(b.block_id for b in new_computed_blocks)
+        if hits:
+            self.pool.touch(hits)
+            blocks.extend(hits)
+            req.block_ids.extend(b.block_id for b in hits)
         if cow:
             shared = blocks[-1]
             (private,) = self.pool.get_new_blocks(1)
