@@ -79,3 +79,20 @@ def test_incomplete_utf8_at_the_end_is_flushed(tok):
     out = "".join(d.push([t]) for t in ids[:-1])  # stop in the middle of the ✓ bytes
     out += d.flush()
     assert out == d.text == tok.decode(ids[:-1])
+
+
+def test_llm_text_ends_with_a_token_cut_inside_a_character(tmp_path):
+    """The offline API's final text is the full decode of the output tokens, even when the
+    last token ends in the middle of a multi-byte character."""
+    from tiny_models import build_tiny_model
+
+    from pagectl import LLM
+
+    path = build_tiny_model(tmp_path / "m", "qwen3", seed=3)
+    tok = load_tokenizer(path)
+    partial = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")
+    with LLM(str(path), dtype="float32", num_kv_blocks=32) as llm:
+        sp = SamplingParams(max_tokens=1, temperature=0, logit_bias={partial: 100})
+        out = llm.generate("ok ", sp)[0].outputs[0]
+    assert out.token_ids == [partial]
+    assert out.text == tok.decode([partial]) == "\ufffd"

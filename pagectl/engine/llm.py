@@ -289,7 +289,10 @@ class LLM:
             outs = []
             for j in range(sp.n):
                 s = seqs[(rid, j)]
-                text = s.detok.text if s.detok is not None else ""
+                text = ""
+                if s.detok is not None:
+                    s.detok.flush()  # a last token cut inside a character still counts
+                    text = s.detok.text
                 outs.append(
                     CompletionOutput(
                         j, text, s.tokens, s.finish_reason, s.stop_reason, s.logprobs, s.error
