@@ -15,6 +15,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
+# Temperatures below this sample greedily (the argmax).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _finite(name: str, value: float) -> float:
@@ -131,7 +133,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
