@@ -191,14 +191,10 @@ def init_groups(
     step_timeout_s: float,
 ) -> tuple[TPGroup, Any]:
     """Join the default group and the metadata group. Returns the model's ``TPGroup`` and the
-    metadata group. One tensor-parallel group per process."""
+    metadata group. One tensor-parallel group per process: rank 0 checks ``in_a_group``
+    before it spawns anything; a worker is a fresh process."""
     import torch.distributed as dist
 
-    if in_a_group():
-        raise RuntimeError(
-            "this process already belongs to a torch.distributed group (one tensor-parallel "
-            "engine per process: shut the other one down first)"
-        )
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device

@@ -33,40 +33,35 @@ import signal
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from pagectl.engine.distributed import rendezvous as rdv
 
 
-def spawn_local_workers(
-    rdzv: rdv.Rendezvous,
-    ranks: range,
-    *,
-    store_addr: str,
-    store_port: int,
-    device_type: str,
-    device_index: int,
-    startup_timeout_s: float,
-    step_timeout_s: float,
-) -> dict[int, Any]:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a node's spawned ranks need to join the group (pickled into each process)."""
+
+    rdzv: rdv.Rendezvous
+    # Rank 0's store: the loopback port it picked on one node, MASTER_ADDR:MASTER_PORT else.
+    store_addr: str
+    store_port: int
+    device_type: str
+    # The node's first CUDA device: local rank r uses device_index + r.
+    device_index: int
+    startup_timeout_s: float
+    step_timeout_s: float
+
+
+def spawn_local_workers(spec: WorkerSpec, ranks: range) -> dict[int, Any]:
     """Start ``ranks`` of this node as spawned processes (daemonic: never outlive us)."""
     ctx = mp.get_context("spawn")
     procs = {}
     for rank in ranks:
         p = ctx.Process(
             target=run_spawned_worker,
-            kwargs=dict(
-                rank=rank,
-                world_size=rdzv.world_size,
-                local_rank=rank - rdzv.first_rank,
-                local_size=rdzv.local_size,
-                store_addr=store_addr,
-                store_port=store_port,
-                device_type=device_type,
-                device_index=device_index,
-                startup_timeout_s=startup_timeout_s,
-                step_timeout_s=step_timeout_s,
-            ),
+            args=(spec, rank),
             name=f"pagectl-tp-rank{rank}",
             daemon=True,
         )
@@ -87,37 +82,33 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_spawned_worker(**spec: Any) -> None:
+def run_spawned_worker(spec: WorkerSpec, rank: int) -> None:
     """Target of a spawned worker process."""
     # Ctrl-C in a terminal reaches the whole process group; rank 0 decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    sys.exit(serve_rank(**spec))
+    sys.exit(serve_rank(spec, rank))
 
 
-def serve_rank(
-    *,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_size: int,
-    store_addr: str,
-    store_port: int,
-    device_type: str,
-    device_index: int,
-    startup_timeout_s: float,
-    step_timeout_s: float,
-) -> int:
-    """Join the group and serve rank 0 until ``OP_SHUTDOWN`` (0) or an error (1)."""
+def serve_rank(spec: WorkerSpec, rank: int) -> int:
+    """Join the group as ``rank`` and serve rank 0 until ``OP_SHUTDOWN`` (0) or an error (1)."""
+    rdzv = spec.rdzv
     store = None
     try:
-        store = rdv.connect_store(store_addr, store_port, world_size, startup_timeout_s)
-        store.set(rdv.joined_key(rank), b"1")
-        device = rdv.device_for(device_type, device_index, local_rank)
-        tp, meta = rdv.init_groups(
-            store, rank, world_size, rdv.backend_for(device_type), device, step_timeout_s
+        store = rdv.connect_store(
+            spec.store_addr, spec.store_port, rdzv.world_size, spec.startup_timeout_s
         )
-        return _serve(tp, meta, store, device, local_size, startup_timeout_s)
+        store.set(rdv.joined_key(rank), b"1")
+        device = rdv.device_for(spec.device_type, spec.device_index, rank - rdzv.first_rank)
+        tp, meta = rdv.init_groups(
+            store,
+            rank,
+            rdzv.world_size,
+            rdv.backend_for(spec.device_type),
+            device,
+            spec.step_timeout_s,
+        )
+        return _serve(tp, meta, store, device, rdzv.local_size, spec.startup_timeout_s)
     except Exception as e:
         parent = mp.parent_process()
         if parent is not None and not parent.is_alive():
@@ -179,6 +170,8 @@ def _serve(
 
 def main(argv: list[str] | None = None) -> int:
     """Run this node's ranks of a multi-node group (see the module docstring)."""
+    from pagectl.engine.distributed.workers import STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
+
     env = os.environ
     p = argparse.ArgumentParser(
         prog="python -m pagectl.engine.distributed.worker",
@@ -191,21 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT") or 0))
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--device-index", type=int, default=0, help="first CUDA device to use")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--step-timeout", type=float, default=300.0)
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S)
+    p.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S)
     a = p.parse_args(argv)
     rdzv = rdv.Rendezvous(a.tp, a.nnodes, a.node_rank, a.master_addr, a.master_port)
     if rdzv.node_rank == 0:
         p.error("node 0 is the engine's node: start pagectl daemon (or LLM) there")
-    import torch
+    from pagectl.engine.builder import resolve_device
 
-    device_type = a.device
-    if device_type == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = resolve_device(a.device).type
     rdv.check_devices(rdzv, device_type, a.device_index, rdv.backend_for(device_type))
-    procs = spawn_local_workers(
+    spec = WorkerSpec(
         rdzv,
-        rdzv.local_ranks,
         store_addr=rdzv.master_addr,
         store_port=rdzv.master_port,
         device_type=device_type,
@@ -213,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=a.startup_timeout,
         step_timeout_s=a.step_timeout,
     )
+    procs = spawn_local_workers(spec, rdzv.local_ranks)
 
     def stop(*_: Any) -> None:
         for proc in procs.values():

@@ -98,7 +98,6 @@ class TPWorkers:
         self._closed = False
         # monotonic() when the step in progress began (the watchdog's hang check), or None.
         self._step_started: float | None = None
-        self._watchdog: threading.Thread | None = None
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -131,11 +130,10 @@ class TPWorkers:
         if rdzv.nnodes == 1:
             rdv.use_loopback_for_gloo()
         self.store = rdv.host_store(rdzv, self.startup_timeout_s)
-        from pagectl.engine.distributed.worker import spawn_local_workers
+        from pagectl.engine.distributed.worker import WorkerSpec, spawn_local_workers
 
-        self.procs = spawn_local_workers(
+        spec = WorkerSpec(
             rdzv,
-            ranks=range(1, rdzv.local_size),
             store_addr="127.0.0.1" if rdzv.nnodes == 1 else rdzv.master_addr,
             store_port=self.store.port,
             device_type=self.device_type,
@@ -143,14 +141,14 @@ class TPWorkers:
             startup_timeout_s=self.startup_timeout_s,
             step_timeout_s=self.step_timeout_s,
         )
+        self.procs = spawn_local_workers(spec, range(1, rdzv.local_size))
         self._wait_keys({r: rdv.joined_key(r) for r in range(1, self.size)}, "join the group")
         device = rdv.device_for(self.device_type, self.device_index, 0)
         self.tp, meta = rdv.init_groups(
             self.store, 0, self.size, self.backend, device, self.step_timeout_s
         )
         self.channel = StepChannel(meta)
-        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
 
     @property
     def tp_group(self) -> TPGroup:
