@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from pagectl.bench.options import workload_spec
 from pagectl.bench.report import dumps, format_table, machine_info
 from pagectl.bench.simulate import (
     KVSample,
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-input-len", type=int, default=512)
     ap.add_argument("--min-output-len", type=int, default=32)
     ap.add_argument("--max-output-len", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", dest="workload_seed", type=int, default=0)
     ap.add_argument("--block-sizes", default="16", help="comma-separated, e.g. 8,16,32")
     ap.add_argument(
         "--num-kv-blocks", type=int, default=None, help="pool size (default: fits the workload)"
@@ -142,14 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    spec = WorkloadSpec(
-        num_requests=args.num_requests,
-        min_input_len=args.min_input_len,
-        max_input_len=args.max_input_len,
-        min_output_len=args.min_output_len,
-        max_output_len=args.max_output_len,
-        seed=args.seed,
-    )
+    spec = workload_spec(args, vocab_size=16384)
     sizes = [int(x) for x in args.block_sizes.split(",") if x.strip()]
     results = [measure(spec, bs, args.num_kv_blocks, args.max_num_batched_tokens) for bs in sizes]
     print(render(spec, results))

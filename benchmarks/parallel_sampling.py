@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from pagectl.bench.options import workload_spec
 from pagectl.bench.report import dumps, format_table, machine_info
 from pagectl.bench.simulate import (
     KVSample,
@@ -115,19 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-input-len", type=int, default=512)
     ap.add_argument("--min-output-len", type=int, default=32)
     ap.add_argument("--max-output-len", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", dest="workload_seed", type=int, default=0)
     ap.add_argument("--n", default="4,8", help="comma-separated sample counts")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    spec = WorkloadSpec(
-        num_requests=args.num_requests,
-        min_input_len=args.min_input_len,
-        max_input_len=args.max_input_len,
-        min_output_len=args.min_output_len,
-        max_output_len=args.max_output_len,
-        seed=args.seed,
-    )
+    spec = workload_spec(args, vocab_size=16384)
     workload = random_workload(spec)
     results = [measure(workload, int(n), args.block_size) for n in args.n.split(",") if n.strip()]
     print(render(spec, results))

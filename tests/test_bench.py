@@ -102,6 +102,9 @@ def test_engine_result_rate_and_dict():
     )
     f = EngineResult("forward", "F", elapsed_s=0.5, tokens_per_s_override=1024.0)
     assert f.tokens_per_s == 1024.0
+    # Model tok/s: None when the engine's positions were not counted; the probe's own rate.
+    assert r.model_tokens_per_s is None and r.to_dict()["model_tokens_per_s"] is None
+    assert f.model_tokens_per_s == 1024.0
 
 
 class _FakeLLM:
@@ -227,6 +230,10 @@ def test_parse_peers():
     assert throughput.parse_peers("forward, hf-cb") == ["forward", "hf-cb"]
     with pytest.raises(ValueError, match="unknown peer"):
         throughput.parse_peers("vllm")
+    # bench serve's peers go through the same parser.
+    assert throughput.parse_peers("hf-serve,", ("hf-serve",)) == ["hf-serve"]
+    with pytest.raises(ValueError, match="choose from hf-serve"):
+        throughput.parse_peers("hf-cb", ("hf-serve",))
 
 
 class _Sched:
@@ -382,6 +389,18 @@ def test_daemon_gets_only_changed_engine_flags():
         )
     )
     assert flags == ["--tp", "2", "--max-num-seqs", "32", "--no-enable-prefix-caching"]
+    # Each flag as the parser spells it: store_true flags bare, values after their flag.
+    flags = engine_flags(_serve_args(["--enforce-eager", "--kv-cache-memory", "2GiB"]))
+    assert flags == ["--kv-cache-memory", "2GiB", "--enforce-eager"]
+
+
+def test_paged_cache_blocks_hold_every_request_at_full_length():
+    from pagectl.bench.peers import paged_cache_blocks
+    from pagectl.bench.workload import BenchRequest
+
+    w = [BenchRequest([1] * 10, 6), BenchRequest([1] * 10, 7)]  # 16 and 17 tokens
+    # ceil(16 / 16) + ceil(17 / 16) pages, one spare per request, two more.
+    assert paged_cache_blocks(w, 16) == 1 + 2 + 2 + 2
 
 
 def test_payloads():

@@ -77,9 +77,7 @@ async def stream_one(
                 apply_chunk(timing, item, now)
                 if timing.error:
                     break
-    except (OSError, asyncio.TimeoutError, ValueError) as e:
-        timing.error = f"{type(e).__name__}: {e}"
-    except Exception as e:  # aiohttp.ClientError and friends: recorded, not raised
+    except Exception as e:  # aiohttp.ClientError, OSError, timeouts, bad JSON: recorded
         timing.error = f"{type(e).__name__}: {e}"
     finally:
         timing.end = time.perf_counter()

@@ -1,6 +1,6 @@
 """Options and inputs shared by the benchmarks: the workload flags, the benchmark model
 (``--model``, or a synthetic random-weight model built once into a cache dir), and the
-random workload made from them.
+random workload's spec made from them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from pagectl.bench.workload import BenchRequest, WorkloadSpec, random_workload
+from pagectl.bench.workload import WorkloadSpec
 
 DEFAULT_SYNTHETIC = "qwen3-33m"
 
@@ -64,10 +64,14 @@ def model_vocab_size(model: str) -> int:
     return int(c.get_text_config().vocab_size)
 
 
-def workload_from_args(
-    args: argparse.Namespace, vocab_size: int
-) -> tuple[WorkloadSpec, list[BenchRequest]]:
-    spec = WorkloadSpec(
+def hf_token_budget(args: argparse.Namespace) -> int:
+    """Token budget per step of transformers' continuous batching: pagectl's, or 2048."""
+    return args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
+
+
+def workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
+    """The random workload the workload flags describe (``random_workload`` makes it)."""
+    return WorkloadSpec(
         num_requests=args.num_requests,
         min_input_len=args.min_input_len,
         max_input_len=args.max_input_len,
@@ -76,4 +80,3 @@ def workload_from_args(
         vocab_size=vocab_size,
         seed=args.workload_seed,
     )
-    return spec, random_workload(spec)

@@ -15,16 +15,11 @@ Every run is greedy unless a temperature is given, with EOS ignored.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Any
 
 from pagectl.bench.results import EngineResult, count_useful
 from pagectl.bench.workload import BenchRequest
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def load_hf_model(model: str, dtype: str = "float32", device: str = "cpu") -> Any:
@@ -34,6 +29,15 @@ def load_hf_model(model: str, dtype: str = "float32", device: str = "cpu") -> An
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
     m: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     return m.to(device).eval()
+
+
+def paged_cache_blocks(workload: list[BenchRequest], page_size: int) -> int:
+    """Pages of transformers' paged cache that hold every request at full length at once.
+
+    With one spare page per request and two more; ``run_hf_continuous_batching`` and the
+    ``transformers serve`` peer of ``pagectl bench serve`` size their cache alike.
+    """
+    return sum(-(-(r.prompt_len + r.output_len) // page_size) + 1 for r in workload) + 2
 
 
 def _gen_config(temperature: float, **kw: Any) -> Any:
@@ -62,9 +66,9 @@ def run_hf_continuous_batching(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     res = EngineResult("hf-cb", "transformers continuous batching", len(workload))
-    pages = sum(-(-(r.prompt_len + r.output_len) // page_size) + 1 for r in workload)
+    num_blocks = paged_cache_blocks(workload, page_size)
     cb_config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=pages + 2, max_batch_tokens=max_batch_tokens
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens
     )
     hints = WorkloadHints(
         max_prompt_length=max(r.prompt_len for r in workload),
@@ -106,7 +110,7 @@ def run_hf_continuous_batching(
     res.model_tokens = sum(r.prompt_len + r.output_len - 1 for r in workload)
     res.extra = {
         "page_size": page_size,
-        "num_blocks": pages + 2,
+        "num_blocks": num_blocks,
         "max_batch_tokens": max_batch_tokens,
     }
     return res
@@ -160,12 +164,9 @@ def run_hf_static_batches(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg
             )
         new = out[:, width:].tolist()
-        return [
-            row[: r.output_len] if len(row) >= r.output_len else row
-            for row, r in zip(new, batch, strict=True)
-        ]
+        return [row[: r.output_len] for row, r in zip(new, batch, strict=True)]
 
-    run_batch(workload[:1][:1])  # warm-up, not timed
+    run_batch(workload[:1])  # warm-up, not timed
     outputs: list[list[int]] = []
     wasted = 0
     model_tokens = 0
@@ -187,9 +188,7 @@ def run_hf_static_batches(
     return res
 
 
-def forward_limit(
-    model: Any, seq_len: int = 512, repeats: int = 5, vocab_size: int | None = None
-) -> EngineResult:
+def forward_limit(model: Any, seq_len: int = 512, repeats: int = 5) -> EngineResult:
     """Tokens/s of a bare forward (all positions' logits) over one ``seq_len``-token sequence.
 
     The fastest of ``repeats`` timed forwards after one warm-up: a limit is the best the
@@ -200,9 +199,9 @@ def forward_limit(
     """
     import torch
 
-    vocab = vocab_size or model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (1, seq_len), generator=g).to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    ids = torch.randint(1, model.config.vocab_size, (1, seq_len), generator=g).to(device)
 
     def timed(**kw: Any) -> list[float]:
         out = []

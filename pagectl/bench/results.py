@@ -32,24 +32,22 @@ class EngineResult:
 
     @property
     def tokens_per_s(self) -> float | None:
-        if self.error is not None:
-            return None
-        if self.tokens_per_s_override is not None:
-            return self.tokens_per_s_override
-        if self.elapsed_s <= 0:
-            return None
-        return self.useful_output_tokens / self.elapsed_s
+        return self._per_second(self.useful_output_tokens)
 
     @property
     def model_tokens_per_s(self) -> float | None:
         """Positions through the model per second (the forward limit's own unit)."""
+        return self._per_second(self.model_tokens or None)  # 0: not counted by this engine
+
+    def _per_second(self, tokens: int | None) -> float | None:
+        # The forward limit's measured rate stands for both units.
         if self.error is not None:
             return None
         if self.tokens_per_s_override is not None:
             return self.tokens_per_s_override
-        if self.elapsed_s <= 0 or not self.model_tokens:
+        if tokens is None or self.elapsed_s <= 0:
             return None
-        return self.model_tokens / self.elapsed_s
+        return tokens / self.elapsed_s
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -26,20 +26,20 @@ from typing import Any
 from pagectl.bench.options import (
     add_model_arguments,
     add_workload_arguments,
+    hf_token_budget,
+    log,
+    model_vocab_size,
     resolve_model,
-    workload_from_args,
+    workload_spec,
 )
 from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
 from pagectl.bench.stats import serving_metrics
-from pagectl.bench.workload import BenchRequest
+from pagectl.bench.throughput import parse_peers
+from pagectl.bench.workload import BenchRequest, random_workload
 
 SERVE_PEERS = ("hf-serve",)
 # Output tokens/s: pagectl >= 3x transformers serve, with a lower p50 TTFT.
 TARGET_OUTPUT_RATIO = 3.0
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,25 +86,20 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """Daemon flags for the engine options that differ from their defaults."""
     from pagectl.cli.generate import add_engine_arguments
 
-    ref = argparse.ArgumentParser()
+    ref = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(ref)
-    defaults = vars(ref.parse_args([]))
-    names = {"tensor_parallel_size": "--tp"}
     flags: list[str] = []
-    for dest, default in defaults.items():
-        if dest == "model":
+    # Each flag is spelled as the parser declares it (argparse lists its actions only here).
+    for action in ref._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest == "model" or value == action.default:
             continue
-        value = getattr(args, dest, default)
-        if value == default:
-            continue
-        flag = names.get(dest, "--" + dest.replace("_", "-"))
-        if isinstance(value, bool):
-            if dest == "enable_prefix_caching":
-                flags.append(flag if value else "--no-enable-prefix-caching")
-            elif value:
-                flags.append(flag)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0 if value else 1])  # --x / --no-x
+        elif action.nargs == 0:  # store_true
+            flags.append(action.option_strings[0])
         else:
-            flags += [flag, str(value)]
+            flags += [action.option_strings[0], str(value)]
     return flags
 
 
@@ -178,17 +173,12 @@ def drive(
 
 
 def run(args: argparse.Namespace) -> int:
-    peers = (
-        []
-        if args.peers.strip().lower() in ("", "none")
-        else [x.strip() for x in args.peers.split(",")]
-    )
-    bad = [x for x in peers if x not in SERVE_PEERS]
-    if bad:
-        print(f"pagectl bench serve: unknown peer(s) {', '.join(bad)}", file=sys.stderr)
+    try:
+        peers = parse_peers(args.peers, SERVE_PEERS)
+    except ValueError as e:
+        print(f"pagectl bench serve: {e}", file=sys.stderr)
         return 2
     from pagectl.bench import servers
-    from pagectl.bench.options import model_vocab_size
 
     if args.url and args.model is None and args.synthetic_model is None:
         print(
@@ -198,9 +188,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     model = resolve_model(args)
+    try:  # before a daemon is started, which a bad workload would leave running
+        spec = workload_spec(args, model_vocab_size(model))
+    except ValueError as e:
+        print(f"pagectl bench serve: {e}", file=sys.stderr)
+        return 2
+    workload = random_workload(spec)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: dict[str, Any] = {}
-    vocab = model_vocab_size(model)
     started = None
     if args.url:
         base = args.url.rstrip("/")
@@ -208,7 +203,6 @@ def run(args: argparse.Namespace) -> int:
         log(f"starting pagectl daemon on {model} ...")
         started = servers.start_daemon(model, engine_flags(args) + list(args.daemon_arg))
         base = started.base_url
-    spec, workload = workload_from_args(args, vocab)
     try:
         if started is not None:
             started.wait_ready(args.startup_timeout)
@@ -246,6 +240,7 @@ def _run_transformers_serve(
     args: argparse.Namespace, model: str, workload: list[BenchRequest]
 ) -> dict:
     from pagectl.bench import servers
+    from pagectl.bench.peers import paged_cache_blocks
 
     why = servers.transformers_serve_available(args.hf_serve_pythonpath)
     if why is not None:
@@ -255,13 +250,11 @@ def _run_transformers_serve(
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [str(tok.decode(r.prompt_token_ids)) for r in workload]
-    pages = sum(-(-(r.prompt_len + r.output_len) // args.hf_page_size) + 1 for r in workload)
-    budget = args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
     log("starting transformers serve --continuous-batching ...")
     srv = servers.start_transformers_serve(
         model,
-        num_blocks=pages + 2,
-        max_batch_tokens=budget,
+        num_blocks=paged_cache_blocks(workload, args.hf_page_size),
+        max_batch_tokens=hf_token_budget(args),
         extra_pythonpath=args.hf_serve_pythonpath,
     )
     try:

@@ -91,7 +91,10 @@ def serving_metrics(timings: Sequence[RequestTiming], duration_s: float) -> dict
     out_tokens = sum(t.output_tokens for t in ok)
     tpots = [x for x in (t.tpot for t in ok) if x is not None]
     itls = [x for t in ok for x in t.itls()]
-    ms = 1000.0
+
+    def ms(seconds: Sequence[float]) -> dict[str, float]:
+        return {k: v * 1000.0 for k, v in summarize(seconds).items()}
+
     return {
         "completed": len(ok),
         "failed": len(timings) - len(ok),
@@ -99,8 +102,8 @@ def serving_metrics(timings: Sequence[RequestTiming], duration_s: float) -> dict
         "request_throughput": len(ok) / duration_s if duration_s > 0 else math.nan,
         "output_throughput": out_tokens / duration_s if duration_s > 0 else math.nan,
         "total_output_tokens": out_tokens,
-        "ttft_ms": {k: v * ms for k, v in summarize([t.ttft for t in ok]).items()},
-        "tpot_ms": {k: v * ms for k, v in summarize(tpots).items()},
-        "itl_ms": {k: v * ms for k, v in summarize(itls).items()},
-        "e2e_ms": {k: v * ms for k, v in summarize([t.latency for t in ok]).items()},
+        "ttft_ms": ms([t.ttft for t in ok]),
+        "tpot_ms": ms(tpots),
+        "itl_ms": ms(itls),
+        "e2e_ms": ms([t.latency for t in ok]),
     }

@@ -9,23 +9,31 @@ ratios against the targets; ``--json`` adds one JSON object as the last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from pagectl.bench.options import (
     add_model_arguments,
     add_workload_arguments,
+    hf_token_budget,
     log,
     model_vocab_size,
     resolve_model,
-    workload_from_args,
+    workload_spec,
 )
 from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
 from pagectl.bench.results import EngineResult, count_useful
-from pagectl.bench.workload import BenchRequest, WorkloadSpec
+from pagectl.bench.workload import (
+    BenchRequest,
+    WorkloadSpec,
+    random_workload,
+    total_output_tokens,
+)
 
 PEERS = ("hf-cb", "hf-static", "forward")
 # Minimum pagectl / peer ratios the project aims for (see docs/PERFORMANCE.md).
@@ -71,13 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
-def parse_peers(value: str) -> list[str]:
+def parse_peers(value: str, known: Sequence[str] = PEERS) -> list[str]:
+    """The comma-separated ``--peers`` value as a list; "none" (or nothing) is no peer."""
     if value.strip().lower() in ("", "none"):
         return []
     peers = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in peers if v not in PEERS]
+    bad = [v for v in peers if v not in known]
     if bad:
-        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}")
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(known)}")
     return peers
 
 
@@ -105,21 +114,16 @@ def run_pagectl(
     counters = _engine_counters(llm)
     from pagectl.bench.profile import ModelTokenCounter, PhaseTimer, top_functions
 
-    with ModelTokenCounter(llm) as fed:
+    with contextlib.ExitStack() as stack:
+        fed = stack.enter_context(ModelTokenCounter(llm))
         if profile:
             import cProfile
 
-            prof = cProfile.Profile()
-            with PhaseTimer(llm) as phases:
-                t0 = time.perf_counter()
-                prof.enable()
-                outs = llm.generate(prompts, params)
-                prof.disable()
-                res.elapsed_s = time.perf_counter() - t0
-        else:
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            res.elapsed_s = time.perf_counter() - t0
+            phases = stack.enter_context(PhaseTimer(llm))
+            prof = stack.enter_context(cProfile.Profile())
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        res.elapsed_s = time.perf_counter() - t0
     res.model_tokens = fed.tokens
     after = _engine_counters(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -155,6 +159,8 @@ def build_report(
     """The JSON report: workload, machine, each engine's result, ratios and targets."""
     by_name = {r.name: r for r in results}
     pc = by_name.get("pagectl")
+    pc_useful = pc.tokens_per_s if pc else None
+    pc_model = pc.model_tokens_per_s if pc else None
     ratios = {}
     targets = {}
     for name, goal in TARGETS.items():
@@ -163,15 +169,13 @@ def build_report(
         if name == "forward":
             # Engine efficiency: positions through the model per second against the bare
             # forward's rate (useful output alone cannot reach it: prompts cost forwards too).
-            r = ratio(pc.model_tokens_per_s if pc else None, peer_rate)
-            ratios["pagectl_useful/forward"] = ratio(pc.tokens_per_s if pc else None, peer_rate)
+            r = ratio(pc_model, peer_rate)
+            ratios["pagectl_useful/forward"] = ratio(pc_useful, peer_rate)
             # The stricter limit: the same forward with logits for the last position only.
             last = peer.extra.get("last_logits_tokens_per_s") if peer else None
-            ratios["pagectl/forward_last_logits"] = ratio(
-                pc.model_tokens_per_s if pc else None, last
-            )
+            ratios["pagectl/forward_last_logits"] = ratio(pc_model, last)
         else:
-            r = ratio(pc.tokens_per_s if pc else None, peer_rate)
+            r = ratio(pc_useful, peer_rate)
         ratios[f"pagectl/{name}"] = r
         targets[f"pagectl/{name}"] = {"target": goal, "met": None if r is None else r >= goal}
     return {
@@ -256,16 +260,16 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     model = resolve_model(args)
     try:
-        spec, workload = workload_from_args(args, model_vocab_size(model))
+        spec = workload_spec(args, model_vocab_size(model))
     except ValueError as e:
         print(f"pagectl bench throughput: {e}", file=sys.stderr)
         return 2
-    n_out = sum(r.output_len for r in workload)
+    workload = random_workload(spec)
     log(
-        f"model {model}; {len(workload)} requests, {n_out} output tokens; torch threads {torch.get_num_threads()}"
+        f"model {model}; {len(workload)} requests, {total_output_tokens(workload)} output tokens; "
+        f"torch threads {torch.get_num_threads()}"
     )
     results: list[EngineResult] = []
-    budget = args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
 
     if not args.no_pagectl:
         results.append(_run_pagectl_engine(args, model, workload))
@@ -277,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     # Forward limit and static batches before continuous batching, which swaps the model's
     # attention implementation while it runs.
     for peer in [p for p in ("forward", "hf-static", "hf-cb") if p in peers]:
-        results.append(_run_peer(peer, hf_model, workload, args, budget))
+        results.append(_run_peer(peer, hf_model, workload, args))
     del hf_model
     gc.collect()
 
@@ -285,15 +289,13 @@ def run(args: argparse.Namespace) -> int:
     print(format_header(spec, model, torch.get_num_threads()))
     print(render_table(results))
     print(render_targets(report))
-    prof = next(
-        (r.extra.get("profile") for r in results if r.name == "pagectl" and r.error is None), None
-    )
-    if prof:
+    pc = next((r for r in results if r.name == "pagectl" and r.error is None), None)
+    prof = pc.extra.get("profile") if pc else None
+    if pc and prof:
         from pagectl.bench.profile import render_breakdown
 
-        steps = next(r.extra.get("steps", 0) for r in results if r.name == "pagectl")
         print("\npagectl time by step phase (cProfile on; the rest is the offline loop):")
-        print(render_breakdown(prof["phases_s"], steps))
+        print(render_breakdown(prof["phases_s"], pc.extra.get("steps", 0)))
         print("\nfunctions with the most own time:")
         print(prof["top_functions"])
     if args.json:
@@ -332,7 +334,7 @@ def _run_pagectl_engine(
 
 
 def _run_peer(
-    peer: str, model: Any, workload: list[BenchRequest], args: argparse.Namespace, budget: int
+    peer: str, model: Any, workload: list[BenchRequest], args: argparse.Namespace
 ) -> EngineResult:
     from pagectl.bench import peers as hf
 
@@ -349,7 +351,7 @@ def _run_peer(
                 model,
                 workload,
                 temperature=args.temperature,
-                max_batch_tokens=budget,
+                max_batch_tokens=hf_token_budget(args),
                 page_size=args.hf_page_size,
             )
     except Exception as e:  # a peer that breaks is reported, not fatal to the comparison
