@@ -1,6 +1,6 @@
 """One prepared run for a lent GPU: the CUDA paths against transformers, then throughput.
 
-    python benchmarks/gpu_check.py --out /tmp/gpu-check          # GPU: about 5-8 min on an H200
+    python benchmarks/gpu_check.py --out /tmp/gpu-check          # GPU: sized for 8 min on an H200
     python benchmarks/gpu_check.py --device cpu --smoke          # the same logic, tiny, seconds
 
 1. **Correctness** (bfloat16, logprob-close). A Qwen3-0.6B-shaped model with random weights
@@ -39,7 +39,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from pagectl.bench.workload import WorkloadSpec, random_workload  # noqa: E402
+from pagectl.bench.options import log, model_vocab_size  # noqa: E402
+from pagectl.bench.workload import WorkloadSpec, random_workload, total_prompt_tokens  # noqa: E402
 
 # Qwen3-0.6B's shape; random weights (seed 0).
 QWEN3_06B = dict(
@@ -90,10 +91,6 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build_random_model(out_dir: Path, shape: dict, device: str, dtype: torch.dtype) -> Path:
@@ -207,7 +204,7 @@ def run_throughput(llm: Any, args: argparse.Namespace, vocab: int) -> dict[str, 
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in work], params)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = sum(r.prompt_len for r in work)
+    prompt_tokens = total_prompt_tokens(work)
     return dict(
         requests=len(work),
         prompt_tokens=prompt_tokens,
@@ -259,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE if args.smoke else QWEN3_06B
     if args.model:
         model = Path(args.model)
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        vocab = model_vocab_size(args.model)
     else:
         tag = "smoke" if args.smoke else "qwen3-0.6b"
         log(f"building the random {tag} model ...")
         model = build_random_model(out / f"model-{tag}", shape, args.device, dtype)
-        vocab = shape["vocab_size"]
+        vocab = int(shape["vocab_size"])
         report["model_shape"] = shape
     report["model"] = str(model)
 

@@ -20,11 +20,11 @@ With --json the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from pagectl.bench.options import add_model_arguments, model_vocab_size, resolve_model
 from pagectl.bench.report import dumps, format_table, machine_info
-from pagectl.bench.workload import BenchRequest, shared_prefix_workload
+from pagectl.bench.workload import BenchRequest, shared_prefix_workload, total_prompt_tokens
 
 TARGET_FEWER_PREFILL = 0.90
 TARGET_SPEEDUP = 3.0
@@ -63,7 +63,7 @@ def run_engine(
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "prefix_caching": caching,
-        "prompt_tokens": sum(r.prompt_len for r in workload),
+        "prompt_tokens": total_prompt_tokens(workload),
         "prefill_tokens_computed": prefill,
         "prefix_hit_tokens": hits,
         "cached_tokens_reported": sum(o.num_cached_tokens for o in outs),
@@ -87,7 +87,7 @@ def run_simulated(workload: list[BenchRequest], caching: bool, budget: int) -> d
     c = sched.counters
     return {
         "prefix_caching": caching,
-        "prompt_tokens": sum(r.prompt_len for r in workload),
+        "prompt_tokens": total_prompt_tokens(workload),
         "prefill_tokens_computed": c.prompt_tokens,
         "prefix_hit_tokens": c.prefix_hits,
         "steps": steps,
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="model directory (default: the synthetic model)")
-    ap.add_argument("--synthetic-model", default="qwen3-33m")
-    ap.add_argument("--synthetic-cache-dir", default=None)
+    add_model_arguments(ap)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--min-suffix-len", type=int, default=16)
@@ -159,14 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 16384
     model = args.model
     if not args.simulate:
-        from pagectl.bench.options import model_vocab_size
-        from pagectl.bench.synthetic import ensure_synthetic_model
-
-        if model is None:
-            print(
-                f"synthetic model {args.synthetic_model}: building or reusing ...", file=sys.stderr
-            )
-            model = str(ensure_synthetic_model(args.synthetic_model, args.synthetic_cache_dir))
+        model = resolve_model(args)
         vocab = model_vocab_size(model)
     workload = shared_prefix_workload(
         args.num_requests,

@@ -21,25 +21,23 @@ import random
 import statistics
 import time
 
-from pagectl.engine.config import CacheConfig, SchedulerConfig
+from pagectl.bench.simulate import make_scheduler
 from pagectl.engine.outputs import ModelRunnerOutput
 from pagectl.engine.request import Request
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.scheduler import Scheduler
 
 
-def _make_scheduler(num_blocks: int, budget: int, max_seqs: int) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=1 << 20
-        ),
-        CacheConfig(block_size=16, num_kv_blocks=num_blocks, enable_prefix_caching=True),
-    )
-
-
 def _fake_output(so) -> ModelRunnerOutput:
     # Sampled token ids: cheap and never EOS (ignore_eos anyway).
     return ModelRunnerOutput([7 if s else -1 for s in so.sample])
+
+
+def _prefill_all(sched: Scheduler) -> None:
+    """Step (not timed) until every request decodes one token per step."""
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
+        so = sched.schedule()
+        sched.update_from_output(so, _fake_output(so))
 
 
 def _timed_steps(sched: Scheduler, steps: int, between=None) -> list[float]:
@@ -66,16 +64,15 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 def bench_decode(num_requests: int, steps: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
-    sched = _make_scheduler(num_blocks=num_requests * 160, budget=8192, max_seqs=num_requests)
+    sched = make_scheduler(
+        num_blocks=num_requests * 160, max_num_batched_tokens=8192, max_num_seqs=num_requests
+    )
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     for i in range(num_requests):
         ctx = rng.randint(512, 2048)
         prompt = [rng.randrange(1, 30000) for _ in range(ctx)]
         sched.add_request(Request(f"r{i}", prompt, sp))
-    # Prefill everything (not timed) until every request decodes one token per step.
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
-        so = sched.schedule()
-        sched.update_from_output(so, _fake_output(so))
+    _prefill_all(sched)
     assert sched.num_running == num_requests
     _timed_steps(sched, 20)  # warm-up
     return _stats(_timed_steps(sched, steps))
@@ -83,14 +80,12 @@ def bench_decode(num_requests: int, steps: int, seed: int = 0) -> dict[str, floa
 
 def bench_mixed(steps: int, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
-    sched = _make_scheduler(num_blocks=64 * 200, budget=2048, max_seqs=128)
+    sched = make_scheduler(num_blocks=64 * 200, max_num_batched_tokens=2048, max_num_seqs=128)
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     for i in range(64):
         prompt = [rng.randrange(1, 30000) for _ in range(rng.randint(512, 1024))]
         sched.add_request(Request(f"d{i}", prompt, sp))
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
-        so = sched.schedule()
-        sched.update_from_output(so, _fake_output(so))
+    _prefill_all(sched)
     counter = [0]
     short = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
 
