@@ -34,7 +34,21 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Attention output ``[T, num_heads, head_dim]``."""
+        """Write the step's new K/V into ``kv_cache``, then attend: ``[T, num_heads, head_dim]``."""
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, k, v, kv_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output ``[T, num_heads, head_dim]``; ``kv_cache`` already holds this
+        step's rows (``k``/``v`` are those rows, for backends that read them directly)."""
         raise NotImplementedError
 
     @staticmethod

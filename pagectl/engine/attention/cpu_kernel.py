@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagectl.engine.attention.metadata import AttentionMetadata
-from pagectl.engine.attention.torch_paged import TorchAttentionState, TorchPagedAttention
+from pagectl.engine.attention.torch_paged import DecodeGroup, TorchPagedAttention
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,27 +31,20 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         super().__init__(device)
         self._decode = ops.paged_decode
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        # Decode rows need nothing beyond the metadata's block tables and lengths.
-        meta.backend_state = TorchAttentionState([], self.plan_prefills(meta))
+    def plan_decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
+        # The kernel needs nothing beyond the metadata's block tables and lengths.
+        return []
 
-    def forward(
+    def attend_decodes(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        state: TorchAttentionState = meta.backend_state
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out: torch.Tensor,
+    ) -> None:
         nd = meta.num_decodes
-        if nd:
-            self._decode(q[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, out[:nd])
-        self.attend_prefills(q, k, v, kv_cache, state.prefills, scale, out)
-        return out
+        self._decode(q[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, out[:nd])
 
 
 def self_check(ops: Any) -> str | None:

@@ -40,7 +40,7 @@ class FlashPagedAttention(AttentionBackend):
         np.cumsum(meta.seq_lens_host, out=cu[1:])
         meta.backend_state = torch.from_numpy(cu).to(self.device, non_blocking=True)
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -49,7 +49,6 @@ class FlashPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         q = q.contiguous()
         if meta.all_decode:

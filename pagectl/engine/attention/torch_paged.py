@@ -143,7 +143,7 @@ class TorchPagedAttention(AttentionBackend):
             prefills.append(PrefillSeq(q_start, q_end, seq_len, ctx, seq_blocks, causal))
         return prefills
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -152,27 +152,28 @@ class TorchPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
         state: TorchAttentionState = meta.backend_state
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.attend_decodes(q, kv_cache, state.decode_groups, scale, out)
+        if meta.num_decodes:
+            self.attend_decodes(q, kv_cache, meta, scale, out)
         self.attend_prefills(q, k, v, kv_cache, state.prefills, scale, out)
         return out
 
-    @staticmethod
     def attend_decodes(
+        self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
-        groups: list[DecodeGroup],
+        meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """Decode rows, one gather and one SDPA per group, into ``out``."""
+        """Decode rows (the first ``meta.num_decodes``), one gather and one SDPA per group,
+        into ``out``."""
         _, num_heads, head_dim = q.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads = k_cache.shape[-2]
         group = num_heads // num_kv_heads
-        for g in groups:
+        for g in meta.backend_state.decode_groups:
             n = g.end - g.start
             keys = k_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
             values = v_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
