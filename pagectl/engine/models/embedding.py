@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagectl.engine.models.linear import pack_cpu_weight, packed_linear
+from pagectl.engine.models.linear import PackableLinear
 from pagectl.engine.models.parallel import SINGLE, TPGroup
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader
 
@@ -53,27 +53,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """The output projection; shares its parameter with the embedding when tied."""
-
-    _packed: torch.Tensor | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-        self._tied = True
-
-    def pack_for_cpu(self) -> bool:
-        """Use a oneDNN-packed copy of the weight on CPU (the plain one is freed unless the
-        embedding shares it). Returns whether it did."""
-        if self._packed is not None:
-            return True
-        packed = pack_cpu_weight(self.weight.data)
-        if packed is None:
-            return False
-        self._packed = packed
-        if not getattr(self, "_tied", False):
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-        return True
+        self.weight_is_shared = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary, in float32, for the given hidden rows.
@@ -81,10 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         With tensor parallelism each rank computes its vocabulary range and rank 0 (where
         sampling happens) gathers them; the other ranks get None.
         """
-        if self._packed is not None:
-            logits = packed_linear(hidden, self._packed)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self._matmul(hidden, None)
         if self.tp.size > 1:
             gathered = self.tp.gather(logits, dim=-1)
             if gathered is None:

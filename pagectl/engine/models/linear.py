@@ -64,24 +64,29 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class _PackableLinear(nn.Module):
-    """Holds the optional oneDNN-packed weight shared by the linear layers."""
+class PackableLinear(nn.Module):
+    """Holds the optional oneDNN-packed weight of a matmul layer (the linear layers and the
+    LM head)."""
 
     weight: nn.Parameter
+    # True when another module reads ``weight`` too (a tied LM head): packing keeps it.
+    weight_is_shared = False
 
     def __init__(self) -> None:
         super().__init__()
         self._packed: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> bool:
-        """Switch to the packed CPU path; frees the plain weight. Returns whether it did."""
+        """Switch to the packed CPU path; frees the plain weight unless it is shared.
+        Returns whether it did."""
         if self._packed is not None:
             return True
         packed = pack_cpu_weight(self.weight.data)
         if packed is None:
             return False
         self._packed = packed
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        if not self.weight_is_shared:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +98,7 @@ class _PackableLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class ColumnParallelLinear(_PackableLinear):
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(
@@ -195,7 +200,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), read(loaded, 0, start, size))
 
 
-class RowParallelLinear(_PackableLinear):
+class RowParallelLinear(PackableLinear):
     """y = all_reduce(x_rank W_rank^T) + b with W's columns (input features) split."""
 
     def __init__(
