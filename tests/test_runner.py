@@ -135,7 +135,6 @@ def test_parallel_samples_share_blocks_and_copy_on_write(models):
 
 
 def test_prompt_logprobs_match_transformers(models):
-    pytest.importorskip("pagectl.engine.runner.sampler")
     from transformers import AutoModelForCausalLM
 
     path, _ = models("qwen2")

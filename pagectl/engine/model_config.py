@@ -90,14 +90,6 @@ class ModelConfig:
     # The parsed config.json, for architecture-specific fields.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
     @classmethod
     def from_dict(
         cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None

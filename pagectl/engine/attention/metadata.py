@@ -17,7 +17,7 @@ backend of every layer. Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,14 +49,8 @@ class AttentionMetadata:
     token_seq_lens: torch.Tensor | None = None
     # Whatever the backend precomputed for this step in ``prepare`` (gather indices, masks).
     backend_state: Any = None
-    # Free-form flags for callers (e.g. "captured" while replaying a CUDA graph).
-    flags: dict[str, Any] = field(default_factory=dict)
 
     @property
     def all_decode(self) -> bool:
         """Every sequence feeds exactly one token (a pure decode step)."""
         return self.num_decodes == self.num_seqs
-
-    @property
-    def num_prefills(self) -> int:
-        return self.num_seqs - self.num_decodes

@@ -39,16 +39,6 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along ``dim`` (rank order). Identity at size 1."""
-        if self.size == 1:
-            return x
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
-
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``x`` concatenated along ``dim`` on rank 0 (rank order); None on the
         other ranks. Identity at size 1. Every rank's ``x`` must have the same shape."""

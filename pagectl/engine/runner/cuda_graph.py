@@ -70,7 +70,6 @@ class DecodeCudaGraphs:
             query_start_loc_host=np.arange(n + 1, dtype=np.int64),
             seq_lens_host=ones,
             block_tables_host=np.full((n, 1), self.scratch_block, np.int64),
-            flags={"cuda_graph": True},
         )
 
     @torch.inference_mode()

@@ -78,8 +78,6 @@ class StepBatch:
     # Hidden rows to compute logits for: prompt-logprob rows first, then one row per sampling
     # sequence (int64 device tensor).
     logits_rows: torch.Tensor
-    # The host arrays the tensors above were made from.
-    arrays: StepArrays
     # Empty on tensor-parallel workers.
     sampling: SamplingPlan = field(default_factory=SamplingPlan)
 
@@ -90,10 +88,6 @@ class StepBatch:
     @property
     def sample_indices(self) -> list[int]:
         return self.sampling.sample_indices
-
-    @property
-    def num_prompt_logprob_rows(self) -> int:
-        return self.sampling.num_prompt_logprob_rows
 
     @property
     def prompt_logprobs(self) -> list[PromptLogprobsPlan]:
@@ -243,5 +237,4 @@ class BatchBuilder:
             positions=self._to_device(a.positions),
             meta=meta,
             logits_rows=self._to_device(a.logits_rows),
-            arrays=a,
         )

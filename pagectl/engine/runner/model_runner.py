@@ -29,7 +29,9 @@ from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.decoder import DecoderForCausalLM
 from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagectl.engine.runner.input_batch import BatchBuilder, StepArrays, StepBatch
-from pagectl.engine.runner.kv_cache import KVCachePool
+from pagectl.engine.runner.kv_cache import KVCachePool, kv_bytes_per_block
+from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
+from pagectl.engine.runner.sampler import Sampler
 
 
 @dataclass
@@ -88,7 +90,7 @@ class ModelRunner:
         )
         if device.type == "cpu":
             model.pack_for_cpu()
-        kv_token_bytes = 2 * attn.num_kv_heads * attn.head_dim * self.kv.tensor.element_size()
+        kv_token_bytes = kv_bytes_per_block(1, 1, attn.num_kv_heads, attn.head_dim, dtype)
         self.backend = select_backend(attention_backend, device, block_size, dtype, kv_token_bytes)
         model.bind_kv_cache(self.kv.layer_caches(), self.backend)
         model.rotary_emb.ensure_cache(max_model_len, device)
@@ -100,8 +102,8 @@ class ModelRunner:
             dynamic_rope_len=rotary.max_position_embeddings if rotary.is_dynamic else None,
         )
         # Only rank 0 samples.
-        self.sampler: Any = (
-            _make_sampler(model_config.vocab_size, device, seed) if tp_rank == 0 else None
+        self.sampler = (
+            Sampler(model_config.vocab_size, device=device, seed=seed) if tp_rank == 0 else None
         )
         # seq_id -> leading prompt positions whose logprobs were already returned (so a
         # recompute after preemption does not report them twice).
@@ -119,11 +121,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        sampler = self.sampler
+        assert sampler is not None, "only tensor-parallel rank 0 runs execute_model"
         driver = self.tp_driver
         if driver is not None:
             driver.check_health()
         if so.finished_seq_ids:
-            self.sampler.forget(so.finished_seq_ids)
+            sampler.forget(so.finished_seq_ids)
             for seq_id in so.finished_seq_ids:
                 self._prompt_scored.pop(seq_id, None)
         t0 = time.perf_counter()
@@ -141,7 +145,7 @@ class ModelRunner:
         assert sampling is not None
         batch.sampling = sampling
         t2 = self._tick()
-        out = self._sample(so, batch, logits)
+        out = self._sample(so, batch, logits, sampler)
         t3 = self._tick()
         tm = self.timings
         tm.steps += 1
@@ -196,7 +200,11 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     def _sample(
-        self, so: SchedulerOutput, batch: StepBatch, logits: torch.Tensor | None
+        self,
+        so: SchedulerOutput,
+        batch: StepBatch,
+        logits: torch.Tensor | None,
+        sampler: Sampler,
     ) -> ModelRunnerOutput:
         seqs = so.seqs
         sampled = [-1] * len(seqs)
@@ -206,7 +214,7 @@ class ModelRunner:
         plan = batch.sampling
         p = plan.num_prompt_logprob_rows
         if plan.sample_indices:
-            result = self.sampler(logits[p:], [seqs[i] for i in plan.sample_indices])
+            result = sampler(logits[p:], [seqs[i] for i in plan.sample_indices])
             for i, tok in zip(plan.sample_indices, result.token_ids, strict=True):
                 sampled[i] = tok
             if result.logprobs is not None:
@@ -215,8 +223,6 @@ class ModelRunner:
                     logprobs[i] = lp
         prompt_logprobs = None
         if plan.prompt_logprobs:
-            from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
-
             prompt_logprobs = {}
             for pl in plan.prompt_logprobs:
                 n = len(pl.target_token_ids)
@@ -225,31 +231,3 @@ class ModelRunner:
                 seq_id = seqs[pl.seq_index].seq_id
                 prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, pl.num_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
-
-
-def _make_sampler(vocab_size: int, device: torch.device, seed: int) -> Any:
-    try:
-        from pagectl.engine.runner.sampler import Sampler
-    except ImportError:
-        return _GreedyOnlySampler(vocab_size)
-    return Sampler(vocab_size, device=device, seed=seed)
-
-
-class _GreedyOnlySampler:
-    """Stand-in used only where the sampler module is absent: argmax, nothing else."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def __call__(self, logits: torch.Tensor, seqs: list) -> Any:
-        from types import SimpleNamespace
-
-        for s in seqs:
-            if not s.sampling_params.greedy or s.sampling_params.logprobs is not None:
-                raise RuntimeError("only greedy sampling is available without the sampler module")
-        return SimpleNamespace(
-            token_ids=logits[:, : self.vocab_size].argmax(-1).tolist(), logprobs=None
-        )
-
-    def forget(self, seq_ids) -> None:
-        pass
