@@ -41,7 +41,10 @@ STACKED_PARAMS = (
     ("up_proj", "gate_up_proj", 1),
 )
 # Every shard a fused parameter needs before it is complete.
-FUSED_SHARDS: dict[str, set] = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
+FUSED_SHARDS: dict[str, set] = {
+    fused: {shard for _, name, shard in STACKED_PARAMS if name == fused}
+    for _, fused, _ in STACKED_PARAMS
+}
 # Checkpoint entries that carry no weights we use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 

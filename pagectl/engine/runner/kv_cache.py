@@ -18,6 +18,7 @@ an explicit ``num_kv_blocks``; else ``kv_cache_memory`` bytes; else on CUDA the
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -31,8 +32,7 @@ def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     """KV bytes one block takes on one rank, over all layers."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elt
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def system_memory_bytes() -> int:
@@ -83,10 +83,8 @@ class KVCachePool:
         # Keeps the CPU mapping alive as long as the tensor views it.
         self._mapping: mmap.mmap | None = None
         if device.type == "cpu":
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            numel = math.prod(shape)
+            nbytes = numel * dtype.itemsize
             self._mapping = mmap.mmap(-1, max(nbytes, 1))
             self.tensor = torch.frombuffer(self._mapping, dtype=dtype, count=numel).view(shape)
         else:

@@ -39,8 +39,6 @@ from pagectl.engine.runner.logits_ops import (
 if TYPE_CHECKING:
     from pagectl.engine.request import Request
 
-# Temperatures below this are greedy (SamplingParams.greedy uses the same bound).
-GREEDY_TEMPERATURE = 1e-5
 _SEED_MASK = (1 << 64) - 1
 DRAW_METHODS = ("race", "inverse_cdf")
 _NEG_INF = float("-inf")
@@ -87,7 +85,7 @@ class _BatchPlan:
         self.logprob_rows: list[int] = []
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
-            if sp.temperature < GREEDY_TEMPERATURE:
+            if sp.greedy:
                 self.greedy_rows.append(i)
             else:
                 self.random_rows.append(i)
