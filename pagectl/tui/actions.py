@@ -26,14 +26,13 @@ from pagectl.tui.knobs import BUDGET, MAX_SEQS, Knob, step
 from pagectl.tui.screens.confirm import ConfirmScreen
 from pagectl.tui.screens.help import HelpScreen
 from pagectl.tui.screens.prompt import ValuePrompt
-from pagectl.tui.source import PlaybackControl
 
 if TYPE_CHECKING:
     from textual.app import App
 
     from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
     from pagectl.tui.prepare import Prepared
-    from pagectl.tui.source import AdminSource
+    from pagectl.tui.source import AdminSource, PlaybackControl
     from pagectl.tui.widgets.block_map import BlockMapView
     from pagectl.tui.widgets.event_log import EventLog
     from pagectl.tui.widgets.requests_table import RequestsTable
@@ -67,6 +66,7 @@ class ConsoleActions(_Base):
     if TYPE_CHECKING:
         # Provided by PagectlTop.
         source: AdminSource
+        playback: PlaybackControl | None
         clock: Callable[[], float]
         current: Prepared | None
         answers: list[tuple[Command, bool, str]]
@@ -89,18 +89,15 @@ class ConsoleActions(_Base):
         def _tick(self) -> None: ...
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        replay = isinstance(self.source, PlaybackControl)
+        # During a replay the link is never live, so control_ready is False there.
         if action == "speed":
-            return replay
+            return self.playback is not None
         if action == "pause":
-            return True if replay else (True if self.control_ready else None)
-        if action in CONTROL_ACTIONS:
-            if replay:
-                return None
-            if not self.control_ready:
-                return None
-            if action == "abort" and self.selected_request is None:
-                return None
+            return True if self.playback is not None or self.control_ready else None
+        if action in CONTROL_ACTIONS and (
+            not self.control_ready or (action == "abort" and self.selected_request is None)
+        ):
+            return None
         return True
 
     def send_command(self, command: Command, what: str):
@@ -179,16 +176,21 @@ class ConsoleActions(_Base):
             ),
         )
 
+    @property
+    def admission_paused(self) -> bool:
+        """The daemon admits no new requests (its config or its engine state says so)."""
+        snap = self.snapshot
+        return bool(self.config.get("paused")) or (
+            snap is not None and snap.engine_state == "paused"
+        )
+
     def action_pause(self) -> None:
-        src = self.source
-        if isinstance(src, PlaybackControl):
-            src.set_paused(not src.paused)
+        playback = self.playback
+        if playback is not None:
+            playback.set_paused(not playback.paused)
             self._tick()
             return
-        paused = bool(self.config.get("paused")) or (
-            self.snapshot is not None and self.snapshot.engine_state == "paused"
-        )
-        if paused:
+        if self.admission_paused:
             self.send_command(Resume(), "resume admission")
         else:
             self.send_command(Pause(), "pause admission")
@@ -217,10 +219,10 @@ class ConsoleActions(_Base):
         )
 
     def action_speed(self, factor: float) -> None:
-        src = self.source
-        if isinstance(src, PlaybackControl):
-            src.set_speed(src.speed * factor)
-            self.notify(f"replay speed {src.speed:g}x")
+        playback = self.playback
+        if playback is not None:
+            playback.set_speed(playback.speed * factor)
+            self.notify(f"replay speed {playback.speed:g}x")
             self._tick()
 
     def action_help(self) -> None:
@@ -232,11 +234,7 @@ class ConsoleActions(_Base):
         self.push_screen(HelpScreen(diagnostics))
 
     def sort_requests(self, column: str | None) -> None:
-        table = self.requests_table
-        if column is not None and column == table.sort_column:
-            table.sort_by(column, not table.sort_reverse)
-        else:
-            table.sort_by(column, reverse=column not in (None, "id", "state"))
+        self.requests_table.sort_or_reverse(column)
 
     def map_fit(self) -> None:
         self.block_map.action_zoom_fit()

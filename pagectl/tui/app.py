@@ -20,7 +20,7 @@ from textual.widgets import Footer
 
 from pagectl.engine.commands import Command, CommandError, InspectBlock
 from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
-from pagectl.tui.actions import ConsoleActions, describe_result
+from pagectl.tui.actions import ConsoleActions
 from pagectl.tui.blockmodel import block_ids
 from pagectl.tui.connection import (
     CONNECTING,
@@ -100,6 +100,11 @@ class PagectlTop(ConsoleActions, App[None]):
     ) -> None:
         super().__init__()
         self.source = source
+        # The source's replay controls (None: a live source). Resolved once: isinstance against a
+        # runtime-checkable Protocol costs tens of microseconds, and the link update is per frame.
+        self.playback: PlaybackControl | None = (
+            source if isinstance(source, PlaybackControl) else None
+        )
         self.clock = clock
         self.record_path = record_path
         self.stale_after = stale_after
@@ -217,8 +222,7 @@ class PagectlTop(ConsoleActions, App[None]):
 
     def _refresh_panels(self) -> None:
         snap = self.snapshot
-        self._update_link()
-        self.header_panel.show(snap, self.link)
+        self._tick()
         self.legend.show(self.block_map.per)
         self.gauges.show(snap)
         self.trends.show(self.history, snap)
@@ -238,12 +242,11 @@ class PagectlTop(ConsoleActions, App[None]):
     # -- link state ---------------------------------------------------------------------
 
     def _update_link(self) -> None:
-        src = self.source
-        replay = isinstance(src, PlaybackControl)
-        now = src.now() if isinstance(src, PlaybackControl) else self.clock()
+        src, replay = self.source, self.playback
+        now = replay.now() if replay is not None else self.clock()
         age = None if self._received_at is None else max(0.0, now - self._received_at)
-        if isinstance(src, PlaybackControl):
-            state = REPLAY_ENDED if src.finished else REPLAY_PAUSED if src.paused else REPLAY
+        if replay is not None:
+            state = REPLAY_ENDED if replay.finished else REPLAY_PAUSED if replay.paused else REPLAY
         elif age is None:
             state = CONNECTING
         else:
@@ -252,19 +255,19 @@ class PagectlTop(ConsoleActions, App[None]):
             state,
             src.label,
             age,
-            getattr(src, "detail", ""),
+            src.detail,
             src.read_only_reason if not src.can_control else "",
-            src.speed if isinstance(src, PlaybackControl) else 1.0,
-            src.position() if isinstance(src, PlaybackControl) else None,
+            replay.speed if replay is not None else 1.0,
+            replay.position() if replay is not None else None,
         )
         old = self.link
         self.link = link
+        # check_action depends on the link only through its state and read-only reason.
         changed = (old.state, old.read_only_reason) != (link.state, link.read_only_reason)
-        if (changed or replay) and self.screen_stack:
+        if changed and self.screen_stack:
             self.refresh_bindings()
-        if hasattr(self, "body"):
-            self.body.set_class(state == STALE, "-stale")
-            self.block_map.stale = state == STALE
+        self.body.set_class(state == STALE, "-stale")
+        self.block_map.stale = state == STALE
         if old.state == LIVE and state == STALE:
             self.event_log.note(self.clock(), "telemetry lost: daemon gone or hung?", "error")
         elif old.state == STALE and state == LIVE:
@@ -332,9 +335,4 @@ class PagectlTop(ConsoleActions, App[None]):
         self._refresh_detail()
 
 
-def run_console(source: AdminSource, **kw) -> None:
-    """Run the console in the terminal until the operator quits."""
-    PagectlTop(source, **kw).run()
-
-
-__all__ = ["PagectlTop", "describe_result", "run_console"]
+__all__ = ["PagectlTop"]

@@ -28,7 +28,3 @@ class Connection:
     # Replay: playback speed and position (frames delivered, total, seconds played, total).
     speed: float = 1.0
     position: tuple[int, int, float, float] | None = None
-
-    @property
-    def is_live(self) -> bool:
-        return self.state == LIVE

@@ -56,10 +56,9 @@ class ConsoleCommands(Provider):
                 )
             )
             out.append(("Reset the prefix cache…", app.action_reset_prefix_cache, "asks first"))
-            paused = bool(cfg.get("paused"))
             out.append(
                 (
-                    "Resume admission" if paused else "Pause admission",
+                    "Resume admission" if app.admission_paused else "Pause admission",
                     app.action_pause,
                     "waiting requests stay queued while paused; running ones go on",
                 )

@@ -66,6 +66,3 @@ class HelpScreen(ModalScreen[None]):
             yield Static(NOTES, classes="dialog-detail")
             if self.diagnostics:
                 yield Static(self.diagnostics, classes="dialog-detail")
-
-    async def action_dismiss(self, result: None = None) -> None:
-        self.dismiss(result)

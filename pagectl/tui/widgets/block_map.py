@@ -115,8 +115,7 @@ class BlockMapView(ScrollView, can_focus=True):
         if width <= 0 or height <= 0:
             width, height = 80, 20  # not laid out yet; redone on resize
         layout = fit_layout(len(states), width, height, self.zoom_per)
-        if self.grid is not None and self.grid.per != layout.per:
-            self.cells = None
+        per_changed = self.grid is None or self.grid.per != layout.per
         self.grid = layout
         if cells is not None and cells.per == layout.per and len(cells.glyphs) == layout.num_cells:
             self.cells = cells
@@ -124,7 +123,8 @@ class BlockMapView(ScrollView, can_focus=True):
             self.cells = aggregate(states, layout.per)
         if self.cursor_block is not None and self.cursor_block >= len(states):
             self.cursor_block = None
-        self._update_spotlight()
+        if per_changed:  # the spotlight's cells depend on its block ids and the cell size only
+            self._update_spotlight()
         self.virtual_size = Size(layout.width, layout.rows)
         self._update_titles()
         self._invalidate()

@@ -13,8 +13,13 @@ from pagectl.tui.blockrender import GLYPHS, STATE_COLORS
 class Legend(Static):
     """Rendered from the map's cell size: exact blocks, or ranges of ``per`` blocks."""
 
+    # The cell size shown (-1: none yet); the legend changes only with it, not per snapshot.
+    _per: int | None = -1
+
     def show(self, per: int | None) -> None:
-        self.update(render_legend(per))
+        if per != self._per:
+            self._per = per
+            self.update(render_legend(per))
 
 
 def render_legend(per: int | None) -> Text:

@@ -61,13 +61,18 @@ COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 _BY_KEY = {c.key: c for c in COLUMNS}
 
 
-def _cell(col: Column, r: RequestRow) -> Text:
-    value = col.cell(r)
+def _cell(col: Column, r: RequestRow, value: str) -> Text:
+    """The table cell showing ``value`` (``col.cell(r)``)."""
     if col.key == "state":
         return Text(value, style=STATE_STYLES.get(value, ""))
     if col.key == "preemptions" and r.num_preemptions:
         return Text(value, style="bold #ff7b72", justify="right")
     return Text(value, justify="left" if col.text else "right")
+
+
+def default_reverse(column: str | None) -> bool:
+    """A sort's first direction: numbers largest first; names, states, service order as they go."""
+    return column not in (None, "id", "state")
 
 
 def sort_rows(rows: Sequence[RequestRow], column: str | None, reverse: bool) -> list[RequestRow]:
@@ -91,6 +96,8 @@ class RequestsTable(DataTable):
         self.sort_column: str | None = None
         self.sort_reverse = False
         self.rows_by_id: dict[str, RequestRow] = {}
+        # The texts of the cells shown, per row key, in COLUMNS order.
+        self._texts: dict[str, list[str]] = {}
         self._order: list[str] = []
         self._raw: list[RequestRow] = []
 
@@ -110,19 +117,23 @@ class RequestsTable(DataTable):
         self._raw = list(rows)
         ordered = sort_rows(rows, self.sort_column, self.sort_reverse)
         keys = [seq_id(r) for r in ordered]
-        old = self.rows_by_id
         self.rows_by_id = dict(zip(keys, ordered, strict=True))
+        # Each cell is formatted once per snapshot and compared with the text shown.
+        shown = self._texts
+        texts = {key: [col.cell(r) for col in COLUMNS] for key, r in self.rows_by_id.items()}
+        self._texts = texts
         if keys == self._order:
             for key, r in zip(keys, ordered, strict=True):
-                prev = old.get(key)
-                for col in COLUMNS:
-                    if prev is None or col.cell(prev) != col.cell(r):
-                        self.update_cell(key, col.key, _cell(col, r))
+                before = shown.get(key)
+                for i, (col, text) in enumerate(zip(COLUMNS, texts[key], strict=True)):
+                    if before is None or before[i] != text:
+                        self.update_cell(key, col.key, _cell(col, r, text))
         else:
             current = self.selected
             self.clear()
             for key, r in zip(keys, ordered, strict=True):
-                self.add_row(*(_cell(col, r) for col in COLUMNS), key=key)
+                cells = (_cell(col, r, text) for col, text in zip(COLUMNS, texts[key], strict=True))
+                self.add_row(*cells, key=key)
             self._order = keys
             if current is not None and seq_id(current) in self.rows_by_id:
                 self.move_cursor(row=keys.index(seq_id(current)), animate=False)
@@ -147,16 +158,18 @@ class RequestsTable(DataTable):
     def action_cycle_sort(self) -> None:
         keys: list[str | None] = [None, *COLUMN_KEYS]
         nxt = keys[(keys.index(self.sort_column) + 1) % len(keys)]
-        # Numbers read best largest first; names and states in order.
-        self.sort_by(nxt, reverse=nxt not in (None, "id", "state"))
+        self.sort_by(nxt, default_reverse(nxt))
 
     def action_reverse_sort(self) -> None:
         self.sort_by(self.sort_column, not self.sort_reverse)
 
+    def sort_or_reverse(self, column: str | None) -> None:
+        """Sort by ``column``, or reverse the order when the rows are sorted by it already."""
+        if column is not None and column == self.sort_column:
+            self.sort_by(column, not self.sort_reverse)
+        else:
+            self.sort_by(column, default_reverse(column))
+
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
-        key = str(event.column_key.value)
-        if key == self.sort_column:
-            self.sort_by(key, not self.sort_reverse)
-        else:
-            self.sort_by(key, reverse=key not in ("id", "state"))
+        self.sort_or_reverse(str(event.column_key.value))
