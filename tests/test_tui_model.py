@@ -131,6 +131,8 @@ def test_owners_in_range():
         ("a", 1, 1),
         ("b", 1, 1),
     ]
+    # Block 6 is a's second block (24 of its 40 tokens come after the first) and b's last.
+    assert [o.fill(16) for o in owners] == [16, 4]
     assert [o.seq_id for o in owners_in_range(rows, 8, 100)] == ["b"]
 
 

@@ -241,6 +241,12 @@ class Owner:
     # Blocks of the range it holds, and the position in its table of the first of them.
     num_blocks: int
     first_position: int
+    # The sequence's num_computed_tokens (how far its table holds live tokens).
+    num_computed_tokens: int
+
+    def fill(self, block_size: int) -> int:
+        """Live tokens this sequence has in the first block of the range it holds."""
+        return max(0, min(block_size, self.num_computed_tokens - self.first_position * block_size))
 
 
 def owners_in_range(rows: Sequence[RequestRow], first: int, last: int) -> list[Owner]:
@@ -252,10 +258,5 @@ def owners_in_range(rows: Sequence[RequestRow], first: int, last: int) -> list[O
         ids = block_ids(r)
         hit = np.nonzero((ids >= first) & (ids <= last))[0]
         if len(hit):
-            out.append(Owner(seq_id(r), len(hit), int(hit[0])))
+            out.append(Owner(seq_id(r), len(hit), int(hit[0]), r.num_computed_tokens))
     return out
-
-
-def cells_of_row(row: RequestRow, layout: CellLayout) -> np.ndarray:
-    """Cell indices holding the row's blocks (for highlighting a selected request)."""
-    return np.unique(block_ids(row) // layout.per)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from array import array
 from collections.abc import Callable
 
 import msgspec
@@ -27,6 +26,7 @@ from pagectl.engine.commands import (
     SetPrefixCaching,
 )
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot, encode_snapshot
+from pagectl.tui.blockmodel import owners_in_range
 from pagectl.tui.source import Frame
 
 
@@ -137,15 +137,8 @@ class FakeSource:
         bs = snap.blocks.block_size
         ref = snap.blocks.ref_counts[block_id]
         hashed = bool(snap.blocks.hashed[block_id])
-        owners: list[str] = []
-        fill = bs if hashed else 0
-        for r in snap.requests:
-            ids = array("I")
-            ids.frombytes(r.block_ids)
-            if block_id in ids:
-                pos = ids.index(block_id)
-                owners.append(r.request_id if r.index == 0 else f"{r.request_id}#{r.index}")
-                fill = max(fill, max(0, min(bs, r.num_computed_tokens - pos * bs)))
+        owners = owners_in_range(snap.requests, block_id, block_id)
+        fill = max([bs if hashed else 0, *(o.fill(bs) for o in owners)])
         tokens = [(block_id * 7 + i) % 1000 for i in range(fill)]
         state = (
             ("cached" if hashed else "free") if ref == 0 else ("shared" if ref > 1 else "in_use")
@@ -155,7 +148,7 @@ class FakeSource:
             "ref_cnt": ref,
             "state": state,
             "hash": f"{block_id:08x}" * 8 if hashed else None,
-            "owners": owners,
+            "owners": [o.seq_id for o in owners],
             "fill": fill,
             "token_ids": tokens,
             "text": " ".join(f"t{t}" for t in tokens) if tokens else None,

@@ -77,8 +77,8 @@ def render_detail(
     if first == last:
         t.append(f"block {fmt.count(first)}  ", style="bold")
         _swatch(t, int(states[first]))
-        fill = _fill(rows, first, block_size)
-        if fill is not None:
+        if owners:
+            fill = max(o.fill(block_size) for o in owners)
             t.append(f"   fill {fill}/{block_size}")
     else:
         t.append(f"blocks {fmt.count(first)}–{fmt.count(last)} ", style="bold")
@@ -158,17 +158,3 @@ def _short(seq: str) -> str:
     if len(base) > MAX_ID:
         base = base[: MAX_ID - 1] + "…"
     return base + sep + index
-
-
-def _fill(rows: Sequence[RequestRow], block_id: int, block_size: int) -> int | None:
-    """Live tokens in a block, from the block tables (None: no table holds it)."""
-    best = None
-    for r in rows:
-        if not r.num_blocks:
-            continue
-        ids = np.frombuffer(r.block_ids, dtype="<u4")
-        pos = np.nonzero(ids == block_id)[0]
-        if len(pos):
-            f = max(0, min(block_size, r.num_computed_tokens - int(pos[0]) * block_size))
-            best = f if best is None else max(best, f)
-    return best
