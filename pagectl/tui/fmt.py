@@ -23,11 +23,13 @@ def si(n: float) -> str:
 def size(nbytes: float) -> str:
     """Bytes in binary units: "512 B", "1.5 KiB", "64.0 GiB"."""
     n = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.1f} TiB"
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
 
 
 def duration(seconds: float) -> str:

@@ -44,8 +44,9 @@ class History:
         self.steps: deque[StepPoint] = deque(maxlen=maxlen)
         self._start_time: float | None = None
         self._last_step_id = 0
-        # (time, prompt_tokens, generation_tokens, prefix_hits, prefix_queries, preemptions)
-        self._base: tuple[float, int, int, int, int, int] | None = None
+        # The previous sample's (time, prompt_tokens, generation_tokens, preemptions): the rates'
+        # base. The hit-rate window keeps its own (time, prefix_hits, prefix_queries) marks.
+        self._base: tuple[float, int, int, int] | None = None
         self._marks: deque[tuple[float, int, int]] = deque()
         self.hit_rate_total: float | None = None
 
@@ -70,26 +71,18 @@ class History:
                 self._last_step_id = s.step_id
         self.hit_rate_total = c.prefix_hits / c.prefix_queries if c.prefix_queries else None
         now = snap.time
-        point = (
-            now,
-            c.prompt_tokens,
-            c.generation_tokens,
-            c.prefix_hits,
-            c.prefix_queries,
-            c.preemptions,
-        )
-        if self._base is None:
-            self._base = point
-            self._marks.append((now, c.prefix_hits, c.prefix_queries))
-            return
-        dt = now - self._base[0]
-        if dt < self.interval:
-            return
+        point = (now, c.prompt_tokens, c.generation_tokens, c.preemptions)
         b = self._base
+        if b is not None and now - b[0] < self.interval:
+            return
+        self._base = point
         self._marks.append((now, c.prefix_hits, c.prefix_queries))
+        if b is None:
+            return  # the first point: no interval to take rates over yet
+        dt = now - b[0]
         while len(self._marks) > 1 and self._marks[1][0] <= now - self.window_s:
             self._marks.popleft()
-        t0, h0, q0 = self._marks[0]
+        _, h0, q0 = self._marks[0]
         dq = c.prefix_queries - q0
         self.samples.append(
             Sample(
@@ -97,12 +90,11 @@ class History:
                 prompt_tps=(c.prompt_tokens - b[1]) / dt,
                 generation_tps=(c.generation_tokens - b[2]) / dt,
                 hit_rate=(c.prefix_hits - h0) / dq if dq > 0 else None,
-                preemptions=c.preemptions - b[5],
+                preemptions=c.preemptions - b[3],
                 running=snap.num_running,
                 waiting=snap.num_waiting,
             )
         )
-        self._base = point
 
     @property
     def hit_rate_window(self) -> float | None:

@@ -12,9 +12,9 @@ Layout (all integers little-endian)::
         length       uint32    bytes that follow
         payload      length    msgpack(TelemetrySnapshot), compressed per ``codec``
 
-A truncated last record (the console was killed mid-write) is ignored on reading. Frames of a
-large pool are mostly runs of identical bytes, so zlib (level 1) keeps a 1,000,000-block
-recording to a few kilobytes per frame.
+A truncated last record (the console was killed mid-write) is ignored on reading. zlib (level 1)
+is cheap and shrinks a large pool's frame several times over: the 1,000,000-block frame of
+``benchmarks/tui_render.py`` goes from 4.4 MB to 0.88 MB (its block tables compress least).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class RecordWriter:
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._file.write(MAGIC)
         self._file.flush()
-        self.num_frames = 0
 
     def write(self, received_at: float, data: bytes) -> None:
         codec = CODEC_RAW
@@ -50,7 +49,6 @@ class RecordWriter:
         self._file.write(data)
         # Flushed per frame so that a killed console leaves a readable file.
         self._file.flush()
-        self.num_frames += 1
 
     def close(self) -> None:
         self._file.close()

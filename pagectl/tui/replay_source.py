@@ -110,7 +110,6 @@ class ReplaySource:
         if paused != self.paused:
             self._reanchor()
             self.paused = paused
-            self._anchor_wall = self._monotonic()
 
     def set_speed(self, speed: float) -> None:
         self._reanchor()
