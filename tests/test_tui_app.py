@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from test_tui_scenarios import NOW, busy_snapshots, huge_snapshot, idle_snapshots
@@ -47,21 +49,29 @@ def make_app(snaps, **kw) -> tuple[PagectlTop, FakeSource, Clock]:
     return PagectlTop(src, clock=clock), src, clock
 
 
-async def settle(pilot, app: PagectlTop, frames: int) -> None:
-    for _ in range(500):
-        if app.frames_applied >= frames:
-            break
+async def wait_until(pilot, predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Let the app run until ``predicate()`` holds, polling for about ``timeout`` s; its value."""
+    for _ in range(round(timeout / 0.01)):
+        if predicate():
+            return True
         await pilot.pause(0.01)
+    return bool(predicate())
+
+
+async def settle(pilot, app: PagectlTop, frames: int) -> None:
+    await wait_until(pilot, lambda: app.frames_applied >= frames)
     assert app.frames_applied >= frames
     await pilot.pause()
 
 
 async def wait_answers(pilot, app: PagectlTop, n: int) -> None:
-    for _ in range(300):
-        if len(app.answers) >= n:
-            break
-        await pilot.pause(0.01)
+    await wait_until(pilot, lambda: len(app.answers) >= n, 3.0)
     assert len(app.answers) >= n, app.answers
+
+
+def inspected(app: PagectlTop) -> bool:
+    """The daemon's answer about the selected block has arrived."""
+    return app.inspection is not None and app.inspection.status == "ok"
 
 
 def text_of(widget) -> str:
@@ -272,10 +282,7 @@ async def test_selecting_a_block_inspects_it():
         # The first block of the system prompt: shared by chat-3 and the three samples.
         shared = int(block_ids(snaps[-1].requests[0])[0])
         block_map.select_cell(shared)
-        for _ in range(100):
-            if app.inspection is not None and app.inspection.status == "ok":
-                break
-            await pilot.pause(0.01)
+        assert await wait_until(pilot, lambda: inspected(app), 1.0)
         assert src.sent[-1] == InspectBlock(block_id=shared)
         detail = text_of(app.query_one(BlockDetail))
         assert f"block {shared}" in detail and "shared ×3-4" in detail
@@ -421,7 +428,7 @@ async def test_record_then_replay_with_pause_and_speed(tmp_path):
         await pilot.press(*["greater_than_sign"] * 7)
         assert replay.speed == 64.0
         await pilot.press("space")
-        await wait_for_frames(pilot, app, len(snaps))
+        await wait_until(pilot, lambda: app.snapshot.seq >= snaps[-1].seq)
         assert app.snapshot.seq == snaps[-1].seq
         assert "replay incident.pctl" in text_of(app.header_panel)
 
@@ -430,13 +437,6 @@ def decode_seq(data: bytes) -> int:
     from pagectl.engine.telemetry import decode_snapshot
 
     return decode_snapshot(data).seq
-
-
-async def wait_for_frames(pilot, app: PagectlTop, seq: int) -> None:
-    for _ in range(500):
-        if app.snapshot is not None and app.snapshot.seq >= seq:
-            return
-        await pilot.pause(0.01)
 
 
 def test_cli_refuses_contradictory_flags(tmp_path, capsys):

@@ -8,7 +8,7 @@ import threading
 import urllib.request
 
 import pytest
-from test_tui_app import SIZE, wait_answers
+from test_tui_app import SIZE, wait_answers, wait_until
 from tiny_models import build_tiny_model
 
 from pagectl.admin.testing import DaemonProcess
@@ -87,11 +87,7 @@ def start_daemon(tmp_path, num_kv_blocks: int = 48) -> DaemonProcess:
 
 
 async def wait_for(pilot, predicate, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("condition not reached in time")
+    assert await wait_until(pilot, predicate, timeout), "condition not reached in time"
 
 
 async def status(daemon: DaemonProcess) -> dict:

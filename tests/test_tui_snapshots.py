@@ -9,12 +9,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_tui_app import SIZE, Clock, settle
+from test_tui_app import SIZE, inspected, make_app, settle, wait_until
 from test_tui_scenarios import NOW, busy_snapshots, huge_snapshot, idle_snapshots
 
-from pagectl.tui.app import PagectlTop
 from pagectl.tui.blockmodel import block_ids
-from pagectl.tui.fake_source import FakeSource
 from pagectl.tui.widgets.block_map import BlockMapView
 
 
@@ -28,17 +26,9 @@ def utc(monkeypatch):
     time.tzset()
 
 
-def console(snaps, **kw) -> tuple[PagectlTop, FakeSource, Clock]:
-    clock = Clock()
-    src = FakeSource(clock=clock, **kw)
-    for s in snaps:
-        src.push(s)
-    return PagectlTop(src, clock=clock), src, clock
-
-
 def test_idle(snap_compare):
     snaps = idle_snapshots()
-    app, _, _ = console(snaps)
+    app, _, _ = make_app(snaps)
 
     async def ready(pilot):
         await settle(pilot, app, len(snaps))
@@ -48,16 +38,13 @@ def test_idle(snap_compare):
 
 def test_busy_with_sharing_and_a_selected_block(snap_compare):
     snaps = busy_snapshots()
-    app, _, _ = console(snaps)
+    app, _, _ = make_app(snaps)
 
     async def ready(pilot):
         await settle(pilot, app, len(snaps))
         shared = int(block_ids(snaps[-1].requests[0])[0])
         app.query_one(BlockMapView).select_cell(shared)
-        for _ in range(200):
-            if app.inspection is not None and app.inspection.status == "ok":
-                break
-            await pilot.pause(0.01)
+        await wait_until(pilot, lambda: inspected(app), 2.0)
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
@@ -65,7 +52,7 @@ def test_busy_with_sharing_and_a_selected_block(snap_compare):
 
 def test_busy_request_highlighted(snap_compare):
     snaps = busy_snapshots()
-    app, _, _ = console(snaps)
+    app, _, _ = make_app(snaps)
 
     async def ready(pilot):
         await settle(pilot, app, len(snaps))
@@ -77,7 +64,7 @@ def test_busy_request_highlighted(snap_compare):
 
 def test_disconnected_read_only(snap_compare):
     snaps = busy_snapshots()
-    app, _, clock = console(snaps, can_control=False, read_only_reason="no control token file")
+    app, _, clock = make_app(snaps, can_control=False, read_only_reason="no control token file")
 
     async def ready(pilot):
         await settle(pilot, app, len(snaps))
@@ -90,7 +77,7 @@ def test_disconnected_read_only(snap_compare):
 
 def test_huge_pool_aggregated(snap_compare):
     snap = huge_snapshot(1_000_000)
-    app, _, _ = console([snap])
+    app, _, _ = make_app([snap])
 
     async def ready(pilot):
         await settle(pilot, app, 1)
