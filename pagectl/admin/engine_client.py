@@ -42,7 +42,49 @@ class RequestRejected(EngineError):
     """The engine refused one request (its own validation); nothing else is affected."""
 
 
-class EngineClient:
+class OutputRouter:
+    """Routes engine outputs to the queue of the HTTP request that owns them.
+
+    Shared by ``EngineClient`` and the in-process test engine, so both route, release and
+    fail requests the same way. Event loop thread only.
+    """
+
+    def __init__(self) -> None:
+        # engine request id -> the queue of the HTTP request that owns it.
+        self._routes: dict[str, asyncio.Queue] = {}
+        # Submitted requests that have had no output yet (waiting for admission or prefill).
+        self._unstarted: set[str] = set()
+
+    @property
+    def num_unstarted(self) -> int:
+        """Submitted requests with no output yet: queued for admission or prefilling."""
+        return len(self._unstarted)
+
+    def _add_route(self, request_id: str, queue: asyncio.Queue) -> None:
+        self._routes[request_id] = queue
+        self._unstarted.add(request_id)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Stop routing outputs of these requests (their handler is done with them)."""
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+            self._unstarted.discard(rid)
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        """Hand an output (or a ``RequestRejected``) to the request's queue, if still routed."""
+        q = self._routes.get(request_id)
+        if q is not None:
+            self._unstarted.discard(request_id)
+            q.put_nowait(item)
+
+    def _fail_all(self, err: EngineError) -> None:
+        # One error per HTTP request, even when it owns several engine requests.
+        for q in {id(q): q for q in self._routes.values()}.values():
+            q.put_nowait(err)
+        self._unstarted.clear()
+
+
+class EngineClient(OutputRouter):
     """Spawns and talks to the engine-core process.
 
     Args:
@@ -54,6 +96,7 @@ class EngineClient:
     def __init__(
         self, proc_config: EngineProcConfig, *, input_endpoint: str, output_endpoint: str
     ) -> None:
+        super().__init__()
         self.proc_config = proc_config
         self._input_endpoint = input_endpoint
         self._output_endpoint = output_endpoint
@@ -65,10 +108,6 @@ class EngineClient:
         # Why the engine is dead, or None while it lives.
         self.dead: str | None = None
         self.on_dead: list[Callable[[str], None]] = []
-        # engine request id -> the queue of the HTTP request that owns it.
-        self._routes: dict[str, asyncio.Queue] = {}
-        # Submitted requests that have had no output yet (waiting for admission or prefill).
-        self._unstarted: set[str] = set()
         self._closing = False
         self._tasks: list[asyncio.Task] = []
         self._push: zmq.Socket | None = None
@@ -161,16 +200,6 @@ class EngineClient:
 
     # -- requests -----------------------------------------------------------------------
 
-    @property
-    def num_in_flight(self) -> int:
-        """Engine requests submitted and not yet released by their handler."""
-        return len(self._routes)
-
-    @property
-    def num_unstarted(self) -> int:
-        """Submitted requests with no output yet: queued for admission or prefilling."""
-        return len(self._unstarted)
-
     def _send(self, msg: msgspec.Struct) -> None:
         if self._push is None:
             raise EngineDeadError("the engine is not running")
@@ -179,55 +208,47 @@ class EngineClient:
         except zmq.ZMQError as e:
             raise EngineDeadError(f"the engine is not reachable: {e}") from None
 
+    def _notify(self, msg: msgspec.Struct) -> None:
+        """Send a message whose loss does not matter once the engine is dead."""
+        if self.dead is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(msg)
+
     def submit(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         """Send one request; its outputs (and any failure) will arrive on ``queue``."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         rid = request.request_id
-        self._routes[rid] = queue
-        self._unstarted.add(rid)
+        self._add_route(rid, queue)
         try:
             self._send(wire.SubmitRequest(request))
         except EngineDeadError:
             self.release([rid])
             raise
 
-    def release(self, request_ids: list[str]) -> None:
-        """Stop routing outputs of these requests (their handler is done with them)."""
-        for rid in request_ids:
-            self._routes.pop(rid, None)
-            self._unstarted.discard(rid)
-
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests in the engine (frees their blocks at the next step) and release."""
         self.release(request_ids)
-        if request_ids and self.dead is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(wire.AbortRequests(list(request_ids)))
+        if request_ids:
+            self._notify(wire.AbortRequests(list(request_ids)))
 
     def abort_all(self) -> None:
         """Abort every routed request in the engine, keeping the routes: their handlers get
         the engine's final "abort" outputs and answer their clients."""
-        if self._routes and self.dead is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(wire.AbortRequests(list(self._routes)))
+        if self._routes:
+            self._notify(wire.AbortRequests(list(self._routes)))
 
     def finish_stop_string(self, request_id: str, index: int, stop: str) -> None:
-        if self.dead is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(wire.FinishStopString(request_id, index, stop))
+        self._notify(wire.FinishStopString(request_id, index, stop))
 
     def set_draining(self, draining: bool = True) -> None:
-        if self.dead is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(wire.SetDraining(draining))
+        self._notify(wire.SetDraining(draining))
 
     # -- background tasks ---------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
         assert self._pull is not None
-        routes = self._routes
-        unstarted = self._unstarted
+        deliver = self._deliver
         while True:
             frame = await self._pull.recv()
             try:
@@ -236,17 +257,11 @@ class EngineClient:
                 continue
             if isinstance(msg, wire.OutputBatch):
                 for out in msg.outputs:
-                    q = routes.get(out.request_id)
-                    if q is not None:
-                        unstarted.discard(out.request_id)
-                        q.put_nowait(out)
+                    deliver(out.request_id, out)
             elif isinstance(msg, wire.EngineStats):
                 self.stats = msg
             elif isinstance(msg, wire.RequestFailed):
-                q = routes.get(msg.request_id)
-                if q is not None:
-                    unstarted.discard(msg.request_id)
-                    q.put_nowait(RequestRejected(msg.message))
+                deliver(msg.request_id, RequestRejected(msg.message))
             elif isinstance(msg, wire.EngineDead):
                 self._mark_dead(msg.message)
 
@@ -263,10 +278,6 @@ class EngineClient:
         if self.dead is not None:
             return
         self.dead = reason
-        err = EngineDeadError(reason)
-        # One error per HTTP request, even when it owns several engine requests.
-        for q in {id(q): q for q in self._routes.values()}.values():
-            q.put_nowait(err)
-        self._unstarted.clear()
+        self._fail_all(EngineDeadError(reason))
         for cb in list(self.on_dead):
             cb(reason)

@@ -29,29 +29,41 @@ import zmq
 
 from pagectl.admin import wire
 from pagectl.admin.control import handle_control
-from pagectl.engine.telemetry import encode_snapshot
+from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 
 # At most this many messages of each kind are taken per turn, so a flood of requests or
 # control messages cannot starve the step.
 _MAX_MESSAGES_PER_TURN = 256
 
 
-def engine_stats(core: Any) -> wire.EngineStats:
-    """The compact figures the API server needs for /metrics."""
-    sched = core.scheduler
-    pool = sched.kv.pool
+def engine_stats(snap: TelemetrySnapshot) -> wire.EngineStats:
+    """The compact figures the API server needs for /metrics, read from a snapshot (so
+    /metrics and the consoles see the same instant, computed once)."""
+    blocks = snap.blocks
     return wire.EngineStats(
-        engine_state=core.engine_state(),
-        num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
-        num_blocks=pool.num_blocks,
-        num_used_blocks=pool.num_used_blocks,
-        num_cached_free_blocks=pool.num_cached_free_blocks,
-        num_token_slots=pool.num_blocks * pool.block_size,
-        num_used_token_slots=core.used_token_slots(),
-        counters=sched.counters,
-        config=sched.live_config(),
+        engine_state=snap.engine_state,
+        num_running=snap.num_running,
+        num_waiting=snap.num_waiting,
+        num_blocks=blocks.num_blocks,
+        num_used_blocks=snap.num_used_blocks,
+        num_cached_free_blocks=snap.num_cached_free_blocks,
+        num_token_slots=blocks.num_blocks * blocks.block_size,
+        num_used_token_slots=snap.num_used_token_slots,
+        counters=snap.counters,
+        config=snap.config,
     )
+
+
+def send_until_stopped(sock: zmq.Socket, data: bytes, stop: threading.Event) -> None:
+    """Send on a PUSH socket that has a send timeout: wait while the reader's queue is full
+    (back-pressure on a live reader), drop the message once ``stop`` is set (the reader, our
+    parent, is gone), so a gone API server never holds the engine."""
+    while not stop.is_set():
+        try:
+            sock.send(data)
+            return
+        except zmq.Again:
+            continue
 
 
 class EngineLoop:
@@ -98,24 +110,14 @@ class EngineLoop:
     # -- sending ------------------------------------------------------------------------
 
     def _send(self, msg: msgspec.Struct) -> None:
-        # PUSH to the API server blocks while its queue is full (back-pressure on a live
-        # reader). The socket has a send timeout, so a gone API server (stop_event set by the
-        # parent watcher) cannot hold the loop: the message is dropped and the loop ends.
-        data = wire.encode(msg)
-        while True:
-            try:
-                self.output_sock.send(data)
-                return
-            except zmq.Again:
-                if self.stop_event.is_set():
-                    return
+        send_until_stopped(self.output_sock, wire.encode(msg), self.stop_event)
 
     def publish(self) -> None:
-        core = self.core
+        snap = self.core.snapshot()
         if self.pub_sock is not None:
             with contextlib.suppress(zmq.Again):
-                self.pub_sock.send(encode_snapshot(core.snapshot()), zmq.NOBLOCK)
-        self._send(engine_stats(core))
+                self.pub_sock.send(encode_snapshot(snap), zmq.NOBLOCK)
+        self._send(engine_stats(snap))
         self._next_publish = time.monotonic() + self.telemetry_interval
 
     # -- inputs -------------------------------------------------------------------------

@@ -89,8 +89,36 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
     return bound.decode() if isinstance(bound, bytes) else str(bound)
 
 
+def engine_ready(
+    built: Any,
+    tokenizer: str | None = None,
+    *,
+    telemetry_endpoint: str = "",
+    control_endpoint: str = "",
+) -> wire.EngineReady:
+    """The handshake describing ``built`` (a ``BuiltEngine``); ``tokenizer`` is where its
+    tokenizer came from when not the model's directory."""
+    core = built.core
+    return wire.EngineReady(
+        pid=os.getpid(),
+        model_name=built.model_name,
+        model_path=str(built.model_path),
+        tokenizer_path=(tokenizer or str(built.model_path))
+        if built.tokenizer is not None
+        else None,
+        vocab_size=built.vocab_size,
+        max_model_len=built.max_model_len,
+        eos_token_ids=list(built.eos_token_ids),
+        sampling_defaults=dict(built.sampling_defaults),
+        model_info=core.model_info,
+        config=core.scheduler.live_config(),
+        telemetry_endpoint=telemetry_endpoint,
+        control_endpoint=control_endpoint,
+    )
+
+
 def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
-    from pagectl.admin.engine_loop import EngineLoop
+    from pagectl.admin.engine_loop import EngineLoop, send_until_stopped
     from pagectl.engine.args import EngineArgs
 
     ctx = zmq.Context()
@@ -103,12 +131,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     inp.connect(cfg.input_endpoint)
 
     def send(msg: msgspec.Struct) -> None:
-        while not stop.is_set():
-            try:
-                out.send(wire.encode(msg))
-                return
-            except zmq.Again:
-                continue
+        send_until_stopped(out, wire.encode(msg), stop)
 
     built = None
     pub = router = None
@@ -130,26 +153,16 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             traceback.print_exc()
             send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))
             return 1
-        core = built.core
-        has_tok = built.tokenizer is not None
         send(
-            wire.EngineReady(
-                pid=os.getpid(),
-                model_name=built.model_name,
-                model_path=str(built.model_path),
-                tokenizer_path=(args.tokenizer or str(built.model_path)) if has_tok else None,
-                vocab_size=built.vocab_size,
-                max_model_len=built.max_model_len,
-                eos_token_ids=list(built.eos_token_ids),
-                sampling_defaults=dict(built.sampling_defaults),
-                model_info=core.model_info,
-                config=core.scheduler.live_config(),
+            engine_ready(
+                built,
+                args.tokenizer,
                 telemetry_endpoint=telemetry_ep,
                 control_endpoint=control_ep,
             )
         )
         loop = EngineLoop(
-            core,
+            built.core,
             input_sock=inp,
             output_sock=out,
             pub_sock=pub,

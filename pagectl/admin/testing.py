@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from pagectl.admin import wire
-from pagectl.admin.engine_client import EngineDeadError, RequestRejected
+from pagectl.admin.engine_client import EngineDeadError, OutputRouter, RequestRejected
 from pagectl.admin.engine_loop import engine_stats
+from pagectl.admin.engine_proc import engine_ready
 from pagectl.admin.protocol import RuntimeInfo
 from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
@@ -134,40 +135,28 @@ def fake_engine(args: Any) -> FakeBuiltEngine:
 # -- the EngineClient interface, in process -----------------------------------------------
 
 
-class InProcessEngine:
+class InProcessEngine(OutputRouter):
     """Runs an EngineCore on the event loop (one step per loop turn); same methods as
-    ``EngineClient``, for HTTP tests without processes or sockets."""
+    ``EngineClient`` (and the same output routing), for HTTP tests without processes or
+    sockets."""
 
     def __init__(self, built: Any) -> None:
+        super().__init__()
         self.built = built
         self.core = built.core
         self.stats: wire.EngineStats | None = None
         self.dead: str | None = None
         self.ready: wire.EngineReady | None = None
-        self._routes: dict[str, asyncio.Queue] = {}
-        self._unstarted: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.aborted: list[str] = []
 
+    def _update_stats(self) -> None:
+        self.stats = engine_stats(self.core.snapshot())
+
     async def start(self) -> wire.EngineReady:
-        b = self.built
-        core = self.core
-        self.ready = wire.EngineReady(
-            pid=os.getpid(),
-            model_name=b.model_name,
-            model_path=b.model_path,
-            tokenizer_path=b.model_path if b.tokenizer is not None else None,
-            vocab_size=b.vocab_size,
-            max_model_len=b.max_model_len,
-            eos_token_ids=list(b.eos_token_ids),
-            model_info=core.model_info,
-            sampling_defaults=dict(b.sampling_defaults),
-            config=core.scheduler.live_config(),
-            telemetry_endpoint="",
-            control_endpoint="",
-        )
-        self.stats = engine_stats(core)
+        self.ready = engine_ready(self.built)
+        self._update_stats()
         self._task = asyncio.create_task(self._run())
         return self.ready
 
@@ -175,15 +164,12 @@ class InProcessEngine:
         core = self.core
         while True:
             if not core.has_unfinished():
-                self.stats = engine_stats(core)
+                self._update_stats()
                 self._wake.clear()
                 await self._wake.wait()
             for out in core.step():
-                q = self._routes.get(out.request_id)
-                if q is not None:
-                    self._unstarted.discard(out.request_id)
-                    q.put_nowait(out)
-            self.stats = engine_stats(core)
+                self._deliver(out.request_id, out)
+            self._update_stats()
             await asyncio.sleep(0)
 
     async def shutdown(self) -> None:
@@ -192,30 +178,15 @@ class InProcessEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._routes)
-
-    @property
-    def num_unstarted(self) -> int:
-        return len(self._unstarted)
-
     def submit(self, request: Any, queue: asyncio.Queue) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self._routes[request.request_id] = queue
-        self._unstarted.add(request.request_id)
+        self._add_route(request.request_id, queue)
         try:
             self.core.add_engine_request(request)
         except Exception as e:  # as the engine process does
-            self._unstarted.discard(request.request_id)
-            queue.put_nowait(RequestRejected(str(e)))
+            self._deliver(request.request_id, RequestRejected(str(e)))
         self._wake.set()
-
-    def release(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._routes.pop(rid, None)
-            self._unstarted.discard(rid)
 
     def abort(self, request_ids: list[str]) -> None:
         self.release(request_ids)
@@ -238,8 +209,7 @@ class InProcessEngine:
     def kill(self, reason: str = "killed by the test") -> None:
         """Behave as if the engine process died."""
         self.dead = reason
-        for q in {id(q): q for q in self._routes.values()}.values():
-            q.put_nowait(EngineDeadError(reason))
+        self._fail_all(EngineDeadError(reason))
 
 
 # -- a real daemon subprocess -------------------------------------------------------------
