@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pagectl.admin import wire
-from pagectl.admin.errors import APIError, error_body
+from pagectl.admin.errors import APIError
 from pagectl.admin.formatting import TokenText
 from pagectl.admin.json_fields import parse_json
 from pagectl.admin.metrics import Metrics
@@ -147,17 +147,13 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
         if e.status == 413:
             return _too_large(request.app[STATE].settings.max_body_size).response()
-        return web.json_response(
-            error_body(e.reason, "invalid_request_error" if e.status < 500 else "server_error"),
-            status=e.status,
-            headers=headers,
-        )
+        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+        return APIError(e.status, e.reason, headers=headers).response()
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return web.json_response(error_body("internal server error", "server_error"), status=500)
+        return APIError(500, "internal server error").response()
 
 
 @web.middleware

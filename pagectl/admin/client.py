@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from pagectl.admin.protocol import ControlReply, ControlRequest, RuntimeInfo
+from pagectl.admin.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
 from pagectl.admin.runtime import RuntimeNotFound, find_runtime, read_token
 from pagectl.engine.commands import Command
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot
@@ -38,9 +38,6 @@ __all__ = [
     "find_runtime",
     "read_token",
 ]
-
-_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
-_encoder = msgspec.msgpack.Encoder()
 
 
 class AdminError(Exception):
@@ -110,7 +107,7 @@ class AdminClient:
             raise AdminError("no_token", "no control token: this client is read-only")
         req_id = next(self._ids)
         req = ControlRequest(id=req_id, token=self.token, client=self.client_name, command=cmd)
-        self._sock.send(_encoder.encode(req))
+        self._sock.send(encode(req))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -119,7 +116,7 @@ class AdminClient:
                     "timeout", f"no reply from the daemon at {self.endpoint} within {timeout:g}s"
                 )
             try:
-                reply = _reply_decoder.decode(self._sock.recv())
+                reply = decode_reply(self._sock.recv())
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if reply.id != req_id:

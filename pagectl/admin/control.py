@@ -13,13 +13,12 @@ from typing import Any
 
 import msgspec
 
-from pagectl.admin.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo
+from pagectl.admin.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
 
 _command_decoder = msgspec.msgpack.Decoder(Command)
 # The values of the "cmd" tag the daemon understands.
 COMMAND_NAMES = frozenset(t.__struct_config__.tag for t in typing.get_args(Command))
-_encoder = msgspec.msgpack.Encoder()
 
 
 class _Envelope(msgspec.Struct, kw_only=True):
@@ -37,7 +36,7 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
 def _error(req_id: int, kind: str, message: str) -> bytes:
-    return _encoder.encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
+    return encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
 
 
 def _command_name(raw: msgspec.Raw) -> str | None:
@@ -90,7 +89,7 @@ def handle_control(core: Any, token: str, frame: bytes) -> tuple[bytes, bool]:
     except Exception as e:  # a bug in one command must not take the engine down
         return _error(env.id, "internal", f"{type(e).__name__}: {e}"), False
     try:
-        reply = _encoder.encode(ControlReply(id=env.id, ok=True, result=result))
+        reply = encode(ControlReply(id=env.id, ok=True, result=result))
     except (TypeError, msgspec.EncodeError) as e:
         return _error(env.id, "internal", f"result not encodable: {e}"), True
     return reply, True

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from pagectl.admin.app import STATE, ServerState, read_body
 from pagectl.admin.engine_client import EngineDeadError, EngineError, RequestRejected
-from pagectl.admin.errors import APIError, error_body
+from pagectl.admin.errors import APIError
 from pagectl.admin.formatting import (
     chat_logprobs,
     completion_logprobs,
@@ -242,9 +242,8 @@ async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
     except EngineError as e:
         if resp is None:
             raise
-        err = _api_error(e)
         with contextlib.suppress(ConnectionResetError):
-            await send_event(resp, error_body(err.message, err.type, err.param, err.code))
+            await send_event(resp, _api_error(e).body())
             await send_done(resp)
         return resp
     except ConnectionResetError:

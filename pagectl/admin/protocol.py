@@ -74,13 +74,18 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(ControlRequest)
+_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
+
+
 def encode(msg: msgspec.Struct) -> bytes:
-    return msgspec.msgpack.encode(msg)
+    return _encoder.encode(msg)
 
 
 def decode_request(frame: bytes) -> ControlRequest:
-    return msgspec.msgpack.decode(frame, type=ControlRequest)
+    return _request_decoder.decode(frame)
 
 
 def decode_reply(frame: bytes) -> ControlReply:
-    return msgspec.msgpack.decode(frame, type=ControlReply)
+    return _reply_decoder.decode(frame)

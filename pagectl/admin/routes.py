@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -11,6 +13,7 @@ from pagectl.admin.errors import APIError, bad_request
 from pagectl.admin.json_fields import get_bool
 from pagectl.admin.openai_api import chat_completions, completions
 from pagectl.admin.validation import (
+    ModelFacts,
     check_model,
     parse_messages,
     parse_prompts,
@@ -53,13 +56,20 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
+async def _tokenizer_request(request: web.Request) -> tuple[ModelFacts, Any, dict]:
+    """The model, its tokenizer and the body of a /tokenize or /detokenize request (400 when
+    the model has no tokenizer)."""
     facts = request.app[STATE].model
     body = await read_body(request)
     check_model(body, facts)
     if facts.tokenizer is None:
         raise bad_request("this model has no tokenizer")
+    return facts, facts.tokenizer, body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
+    facts, tokenizer, body = await _tokenizer_request(request)
     if "messages" in body:
         ids = render_chat(parse_messages(body["messages"]), facts, body).token_ids
     else:
@@ -67,7 +77,7 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad_request("prompt must be a string", "prompt")
         add_special = get_bool(body, "add_special_tokens", True)
-        ids = list(facts.tokenizer.encode(prompt, add_special_tokens=add_special))
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
     return web.json_response(
         {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
     )
@@ -75,16 +85,12 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [int]}`` -> ``{"prompt": text}``."""
-    facts = request.app[STATE].model
-    body = await read_body(request)
-    check_model(body, facts)
-    if facts.tokenizer is None:
-        raise bad_request("this model has no tokenizer")
+    facts, tokenizer, body = await _tokenizer_request(request)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise bad_request("tokens must be a list of token ids", "tokens")
     ids = parse_prompts(tokens, facts)[0].token_ids if tokens else []
-    return web.json_response({"prompt": facts.tokenizer.decode(ids)})
+    return web.json_response({"prompt": tokenizer.decode(ids)})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -63,6 +63,7 @@ class Update:
 
     choice: Choice
     text: str
+    # The engine output's new tokens and their logprobs (its own lists: read, never changed).
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     # True on the choice's last update (its finish_reason is set).
@@ -187,7 +188,7 @@ class Generation:
             self._finish(choice, out.finish_reason, out.stop_reason)
         elif not new:
             return None
-        return Update(choice, text, list(new), list(lps), choice.finished)
+        return Update(choice, text, new, lps, choice.finished)
 
     def _finish(self, choice: Choice, reason: str, stop_reason: int | str | None) -> None:
         choice.finish_reason = reason

@@ -56,7 +56,6 @@ class GenerationSpec:
     logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def check_model(body: dict, facts: ModelFacts) -> None:
@@ -148,8 +147,6 @@ def _build_params(kw: dict[str, Any], vocab_size: int) -> SamplingParams:
         msg = str(e)
         first = msg.split(" ", 1)[0].split("[", 1)[0]
         param = first if first in SamplingParams.__dataclass_fields__ else None
-        if first == "logit_bias":
-            param = "logit_bias"
         raise bad_request(msg, param) from None
     return params
 
