@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from pagectl.tui.fmt import size
+
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3
 
@@ -74,21 +76,12 @@ def _onoff(v: object) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
-def _size(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if x < 1024:
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} GiB"
-
-
 def format_status(s: dict) -> str:
     kv, c, cfg = s["kv"], s["counters"], s["config"]
     q, h = c["prefix_queries"], c["prefix_hits"]
     lines = [
         f"engine    {s['engine_state']}  model {s['model']} ({s['device']}, {s['dtype']}, "
-        f"tp {s['tp_size']}, KV {_size(s.get('kv_bytes_per_rank', 0))} per rank)  "
+        f"tp {s['tp_size']}, KV {size(s.get('kv_bytes_per_rank', 0))} per rank)  "
         f"uptime {s['uptime_s']:.0f}s",
         "config    "
         + "  ".join(

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--tp",
         "--tensor-parallel-size",
-        dest="tp",
+        dest="tensor_parallel_size",
         type=int,
         default=1,
         help="tensor-parallel ranks (default 1)",
@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from pagectl.admin.daemon import DaemonOptions
     from pagectl.admin.daemon import run as run_daemon
     from pagectl.admin.runtime import loopback_only
+    from pagectl.cli.generate import engine_kwargs
     from pagectl.engine.args import EngineArgs
 
     def fail(msg: str) -> int:
@@ -161,28 +162,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
+        # The flags ``pagectl generate`` shares, then the daemon's own.
         engine_args = EngineArgs(
-            model=args.model,
-            tokenizer=args.tokenizer,
+            **engine_kwargs(args),
             served_model_name=args.served_model_name,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tp,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
-            enforce_eager=args.enforce_eager,
-            seed=args.seed,
-            num_threads=args.num_threads,
-            attention_backend=args.attention_backend,
-            generation_config=args.generation_config,
         )
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
