@@ -13,7 +13,6 @@ import time
 
 import openai
 import pytest
-from tiny_models import build_tiny_model
 
 from pagectl.admin.client import AdminClient, AdminError, TelemetrySubscriber, find_runtime
 from pagectl.admin.testing import DaemonProcess
@@ -26,20 +25,13 @@ NO_EOS = {"ignore_eos": True}
 LONG_PROMPT = "A request is admitted when the scheduler finds free blocks for its prompt. " * 3
 
 
-def tiny_model(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "tiny-qwen3"
-    if not (d / "config.json").exists():
-        build_tiny_model(d, "qwen3")
-    return d
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def daemon(tmp_path_factory, tiny_qwen3):
     d = DaemonProcess(
         tmp_path_factory.mktemp("rt"),
         [
             "--model",
-            str(tiny_model(tmp_path_factory)),
+            str(tiny_qwen3),
             "--served-model-name",
             "tiny",
             "--num-kv-blocks",

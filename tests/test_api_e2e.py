@@ -9,7 +9,6 @@ import json
 import aiohttp
 import openai
 import pytest
-from tiny_models import build_tiny_model
 
 from pagectl.admin.testing import DaemonProcess
 
@@ -18,22 +17,13 @@ pytestmark = pytest.mark.slow
 NO_EOS = {"ignore_eos": True}
 
 
-def tiny_model(tmp_path_factory):
-    """One tiny Qwen3 checkpoint per test session, shared by the daemon test modules."""
-    d = tmp_path_factory.getbasetemp() / "tiny-qwen3"
-    if not (d / "config.json").exists():
-        build_tiny_model(d, "qwen3")
-    return d
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    model = tiny_model(tmp_path_factory)
+def daemon(tmp_path_factory, tiny_qwen3):
     d = DaemonProcess(
         tmp_path_factory.mktemp("rt"),
         [
             "--model",
-            str(model),
+            str(tiny_qwen3),
             "--served-model-name",
             "tiny",
             "--num-kv-blocks",

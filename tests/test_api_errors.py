@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import build_tokenizer
 
 from pagectl.admin.app import ServerSettings, create_app
 from pagectl.admin.errors import APIError
@@ -19,25 +18,6 @@ from pagectl.admin.validation import ModelFacts, parse_chat, parse_completion
 from pagectl.engine.args import EngineArgs
 
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(d)
-    return d
-
-
-@pytest.fixture
-def make_client(aiohttp_client, tok_dir):
-    async def make(settings: ServerSettings | None = None, **engine_kw):
-        kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, "max_model_len": MAX_LEN}
-        kw.update(engine_kw)
-        engine = InProcessEngine(fake_engine(EngineArgs(model=str(tok_dir), **kw)))
-        client = await aiohttp_client(create_app(settings or ServerSettings(), engine))
-        return client, engine
-
-    return make
 
 
 def assert_openai_error(body: dict, param: str | None = None) -> dict:

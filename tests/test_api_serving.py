@@ -10,30 +10,9 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from tiny_models import build_tokenizer
 
-from pagectl.admin.app import ServerSettings, create_app
-from pagectl.admin.testing import InProcessEngine, fake_engine
-from pagectl.engine.args import EngineArgs
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(d)
-    return d
-
-
-@pytest.fixture
-def make_client(aiohttp_client, tok_dir):
-    async def make(settings: ServerSettings | None = None, **engine_kw):
-        kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, "max_model_len": 256}
-        kw.update(engine_kw)
-        engine = InProcessEngine(fake_engine(EngineArgs(model=str(tok_dir), **kw)))
-        client = await aiohttp_client(create_app(settings or ServerSettings(), engine))
-        return client, engine
-
-    return make
+from pagectl.admin.app import ServerSettings
+from pagectl.admin.testing import InProcessEngine
 
 
 async def sse_events(resp) -> list:
@@ -197,6 +176,22 @@ async def test_stop_token_ids_and_min_tokens(make_client):
     (c,) = body["choices"]
     assert c["finish_reason"] == "stop" and c["stop_reason"] == stop_id
     assert body["usage"]["completion_tokens"] == first + 1
+    # Before min_tokens tokens are out the stop id does not count: past its only occurrence,
+    # the sequence runs to max_tokens.
+    assert stop_id not in toks[first + 1 :]
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 20,
+            "stop_token_ids": [stop_id],
+            "min_tokens": first + 2,
+        },
+    )
+    body = await resp.json()
+    (c,) = body["choices"]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+    assert body["usage"]["completion_tokens"] == 20
 
 
 async def test_completion_logprobs_shape(make_client):

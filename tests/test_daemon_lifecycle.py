@@ -13,7 +13,6 @@ import openai
 import psutil
 import pytest
 import requests
-from tiny_models import build_tiny_model
 
 from pagectl.admin.testing import DaemonProcess
 
@@ -22,19 +21,12 @@ pytestmark = pytest.mark.slow
 NO_EOS = {"ignore_eos": True}
 
 
-def tiny_model(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "tiny-qwen3"
-    if not (d / "config.json").exists():
-        build_tiny_model(d, "qwen3")
-    return d
-
-
-def start(tmp_path_factory, *extra, env=None) -> DaemonProcess:
+def start(tmp_path_factory, model, *extra, env=None) -> DaemonProcess:
     d = DaemonProcess(
         tmp_path_factory.mktemp("rt"),
         [
             "--model",
-            str(tiny_model(tmp_path_factory)),
+            str(model),
             "--served-model-name",
             "tiny",
             "--num-kv-blocks",
@@ -71,8 +63,10 @@ def stream_lines(url: str, body: dict, headers: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def drain_daemon(tmp_path_factory):
-    d = start(tmp_path_factory, "--max-num-queued-requests", "2", "--drain-timeout", "8")
+def drain_daemon(tmp_path_factory, tiny_qwen3):
+    d = start(
+        tmp_path_factory, tiny_qwen3, "--max-num-queued-requests", "2", "--drain-timeout", "8"
+    )
     yield d
     d.kill()
 
@@ -157,8 +151,8 @@ def test_sigterm_drains_then_exits_zero_leaving_nothing(drain_daemon):
     assert not runtime_files[0].parent.exists()
 
 
-def test_killed_engine_fails_requests_and_the_daemon_exits_nonzero(tmp_path_factory):
-    d = start(tmp_path_factory, env={"PAGECTL_API_KEY": "k"})
+def test_killed_engine_fails_requests_and_the_daemon_exits_nonzero(tmp_path_factory, tiny_qwen3):
+    d = start(tmp_path_factory, tiny_qwen3, env={"PAGECTL_API_KEY": "k"})
     try:
         auth = {"Authorization": "Bearer k"}
         assert requests.get(d.base_url + "/v1/models", timeout=10).status_code == 401
@@ -184,8 +178,8 @@ def test_killed_engine_fails_requests_and_the_daemon_exits_nonzero(tmp_path_fact
         d.kill()
 
 
-def test_a_killed_daemon_takes_its_engine_down(tmp_path_factory):
-    d = start(tmp_path_factory)
+def test_a_killed_daemon_takes_its_engine_down(tmp_path_factory, tiny_qwen3):
+    d = start(tmp_path_factory, tiny_qwen3)
     try:
         (engine,) = d.children()
         d.proc.kill()
