@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, engine_greedy, hf_greedy
+from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl.engine.args import EngineArgs
 from pagectl.engine.builder import build_engine
@@ -22,19 +22,8 @@ MAX_NEW = 10
 VOCAB = 384
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-
-    def rand(n: int) -> list[int]:
-        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
-
-    shared = rand(20)
-    lengths = [1, 3, 8, 15, 16, 17, 31, 40]
-    # The last two share a 20-token prefix (prefix-cache hits once the first is computed).
-    return [rand(n) for n in lengths] + [shared + rand(27), shared + rand(44)]
-
-
-PROMPTS = _prompts()
+# The last two share a 20-token prefix (prefix-cache hits once the first is computed).
+PROMPTS = random_prompts(7, VOCAB, [1, 3, 8, 15, 16, 17, 31, 40], 20, [27, 44])
 MODELS = {
     # name: (architecture, config overrides)
     "qwen3": ("qwen3", None),  # GQA 4:2, head_dim 32 != 64 / 4, tied embeddings, q/k norm
@@ -50,18 +39,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (model dir, transformers' greedy continuations of PROMPTS), built lazily."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            arch, overrides = MODELS[name]
-            path = build_tiny_model(
-                tmp_path_factory.mktemp(name), arch, vocab_size=VOCAB, config_overrides=overrides
-            )
-            cache[name] = (path, hf_greedy(path, PROMPTS, MAX_NEW))
-        return cache[name]
-
-    return get
+    return lazy_reference_models(tmp_path_factory, MODELS, PROMPTS, MAX_NEW, VOCAB)
 
 
 CONFIGS = {

@@ -29,8 +29,7 @@ import openai
 import psutil
 import pytest
 import requests
-import torch
-from tiny_models import build_tiny_model, engine_greedy, hf_greedy
+from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl.admin.testing import DaemonProcess, free_port
 from pagectl.engine.args import EngineArgs
@@ -46,18 +45,8 @@ VOCAB = 384
 MAX_NEW = 8
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-
-    def rand(n: int) -> list[int]:
-        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
-
-    shared = rand(20)
-    # The last two share a 20-token prefix: prefix-cache hits once the first is computed.
-    return [rand(n) for n in (1, 4, 15, 16, 17, 37)] + [shared + rand(9), shared + rand(30)]
-
-
-PROMPTS = _prompts()
+# The last two share a 20-token prefix: prefix-cache hits once the first is computed.
+PROMPTS = random_prompts(11, VOCAB, [1, 4, 15, 16, 17, 37], 20, [9, 30])
 MODELS = {
     # name: (architecture, config overrides)
     "qwen3": ("qwen3", None),  # 4 heads, 2 KV heads: one KV head per rank at TP=2
@@ -79,18 +68,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (model dir, transformers' greedy continuations of PROMPTS), built lazily."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            arch, overrides = MODELS[name]
-            path = build_tiny_model(
-                tmp_path_factory.mktemp(name), arch, vocab_size=VOCAB, config_overrides=overrides
-            )
-            cache[name] = (path, hf_greedy(path, PROMPTS, MAX_NEW))
-        return cache[name]
-
-    return get
+    return lazy_reference_models(tmp_path_factory, MODELS, PROMPTS, MAX_NEW, VOCAB)
 
 
 class Groups:

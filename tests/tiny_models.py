@@ -173,6 +173,45 @@ def hf_greedy(
     return out
 
 
+def random_prompts(
+    seed: int, vocab_size: int, lengths: list[int], prefix_len: int, tail_lengths: list[int]
+) -> list[list[int]]:
+    """Random prompts (ids ``1..vocab_size - 1``) of ``lengths``, then one per ``tail_lengths``
+    that starts with the same random ``prefix_len`` tokens (prefix-cache hits once the first
+    of them is computed)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(1, vocab_size, (n,), generator=g).tolist()
+
+    shared = rand(prefix_len)
+    return [rand(n) for n in lengths] + [shared + rand(n) for n in tail_lengths]
+
+
+def lazy_reference_models(
+    tmp_path_factory, models: dict, prompts: list[list[int]], max_new_tokens: int, vocab_size: int
+):
+    """A function name -> (model dir, transformers' greedy continuations of ``prompts``) that
+    builds each model on first use. ``models``: name -> (architecture, config overrides)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            arch, overrides = models[name]
+            path = build_tiny_model(
+                tmp_path_factory.mktemp(name),
+                arch,
+                vocab_size=vocab_size,
+                config_overrides=overrides,
+            )
+            cache[name] = (path, hf_greedy(path, prompts, max_new_tokens))
+        return cache[name]
+
+    return get
+
+
 def engine_greedy(core, prompts: list[list[int]], max_new_tokens: int, prefix: str = "r") -> dict:
     """Run ``prompts`` together through an ``EngineCore`` greedily (ignore_eos) to the end.
 
