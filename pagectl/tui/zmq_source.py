@@ -17,8 +17,6 @@ by a lock so that one DEALER recv is in flight at a time.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from pagectl.admin.client import default_client_name
 from pagectl.admin.protocol import ControlRequest, decode_reply, encode
 from pagectl.engine.commands import Command, CommandError
 from pagectl.tui.source import Frame
@@ -58,10 +57,6 @@ def runtime_resolver(runtime_dir: str | None) -> Resolver:
     return resolve
 
 
-def default_client_name() -> str:
-    return f"top@{socket.gethostname()}:{os.getpid()}"
-
-
 class ZmqSource:
     """An ``AdminSource`` attached to a daemon's admin sockets."""
 
@@ -77,7 +72,7 @@ class ZmqSource:
             fixed = resolver
             resolver = lambda: fixed  # noqa: E731
         self._resolve = resolver
-        self.client_name = client_name or default_client_name()
+        self.client_name = client_name or default_client_name("top")
         self.command_timeout = command_timeout
         self.reconnect_after = reconnect_after
         self.label = "zmq"

@@ -124,8 +124,6 @@ class ModelRunner:
         sampler = self.sampler
         assert sampler is not None, "only tensor-parallel rank 0 runs execute_model"
         driver = self.tp_driver
-        if driver is not None:
-            driver.check_health()
         if so.finished_seq_ids:
             sampler.forget(so.finished_seq_ids)
             for seq_id in so.finished_seq_ids:
