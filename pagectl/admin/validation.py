@@ -144,10 +144,7 @@ def _build_params(kw: dict[str, Any], vocab_size: int) -> SamplingParams:
         params = SamplingParams(**kw)
         params.validate(vocab_size)
     except (ValueError, TypeError) as e:
-        msg = str(e)
-        first = msg.split(" ", 1)[0].split("[", 1)[0]
-        param = first if first in SamplingParams.__dataclass_fields__ else None
-        raise bad_request(msg, param) from None
+        raise bad_request(str(e), getattr(e, "param", None)) from None
     return params
 
 

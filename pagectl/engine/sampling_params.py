@@ -19,21 +19,33 @@ MAX_LOGIT_BIAS = 1024
 GREEDY_TEMPERATURE = 1e-5
 
 
-def _finite(name: str, value: float) -> float:
+class SamplingParamsError(ValueError):
+    """An invalid sampling value; ``param`` is the ``SamplingParams`` field at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _finite(param: str, value: float, what: str | None = None) -> float:
+    name = what or param
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+        raise SamplingParamsError(param, f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise SamplingParamsError(param, f"{name} must be finite, got {value}")
     return float(value)
 
 
-def _int(name: str, value: int, low: int | None = None, high: int | None = None) -> int:
+def _int(
+    param: str, value: int, low: int | None = None, high: int | None = None, what: str | None = None
+) -> int:
+    name = what or param
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(param, f"{name} must be an integer, got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise SamplingParamsError(param, f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise SamplingParamsError(param, f"{name} must be <= {high}, got {value}")
     return value
 
 
@@ -72,58 +84,78 @@ class SamplingParams:
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
+        """Raise ``SamplingParamsError`` (a ``ValueError``) naming the first invalid field."""
         _int("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
         t = _finite("temperature", self.temperature)
         if t < 0:
-            raise ValueError(f"temperature must be >= 0, got {t}")
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {t}")
         p = _finite("top_p", self.top_p)
         if not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p}")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {p}")
         k = _int("top_k", self.top_k)
         if k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {k}")
+            raise SamplingParamsError(
+                "top_k", f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {k}"
+            )
         mp = _finite("min_p", self.min_p)
         if not 0 <= mp <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {mp}")
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {mp}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = _finite(name, getattr(self, name))
             if not -2 <= v <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {v}")
         rp = _finite("repetition_penalty", self.repetition_penalty)
         if rp <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {rp}")
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be > 0, got {rp}"
+            )
         if self.seed is not None:
             _int("seed", self.seed, -(2**63), 2**63 - 1)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings")
+            raise SamplingParamsError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop strings must be non-empty strings")
+                raise SamplingParamsError("stop", "stop strings must be non-empty strings")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids"
+            )
         for tid in self.stop_token_ids:
-            _int("stop_token_ids[]", tid, 0, None if vocab_size is None else vocab_size - 1)
+            _int(
+                "stop_token_ids",
+                tid,
+                0,
+                None if vocab_size is None else vocab_size - 1,
+                what="stop_token_ids[]",
+            )
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries"
+                )
             clean: dict[int, float] = {}
             for tok, bias in self.logit_bias.items():
                 try:
                     tid = int(tok)
                 except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias key {tok!r} is not a token id") from None
-                _int("logit_bias key", tid, 0, None if vocab_size is None else vocab_size - 1)
-                b = _finite("logit_bias value", bias)
+                    raise SamplingParamsError(
+                        "logit_bias", f"logit_bias key {tok!r} is not a token id"
+                    ) from None
+                high = None if vocab_size is None else vocab_size - 1
+                _int("logit_bias", tid, 0, high, what="logit_bias key")
+                b = _finite("logit_bias", bias, what="logit_bias value")
                 if not -100 <= b <= 100:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+                    raise SamplingParamsError(
+                        "logit_bias", f"logit_bias values must be in [-100, 100], got {b}"
+                    )
                 clean[tid] = b
             self.logit_bias = clean
         for name in ("logprobs", "prompt_logprobs"):
