@@ -7,6 +7,23 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run tests marked `extended` (long stress, fuzzing and soak budgets)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--extended"):
+        return
+    skip = pytest.mark.skip(reason="long budget: run with --extended")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """One tiny Qwen3 checkpoint per test session, shared by the daemon test modules."""
