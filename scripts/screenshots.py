@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_tui_e2e import MixedLoad  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
-from pagectl.admin.testing import DaemonProcess  # noqa: E402
+from pagectl.testing.daemon_process import DaemonProcess  # noqa: E402
 from pagectl.tui.app import PagectlTop  # noqa: E402
 from pagectl.tui.blockmodel import SHARED2, block_ids  # noqa: E402
 from pagectl.tui.widgets.block_map import BlockMapView  # noqa: E402

@@ -14,9 +14,9 @@ import time
 import openai
 import pytest
 
-from pagectl.admin.client import AdminClient, AdminError, TelemetrySubscriber, find_runtime
-from pagectl.admin.testing import DaemonProcess
+from pagectl.control.client import AdminClient, AdminError, TelemetrySubscriber, find_runtime
 from pagectl.engine.commands import GetStatus
+from pagectl.testing.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 

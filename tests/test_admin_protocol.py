@@ -12,23 +12,23 @@ import msgspec
 import pytest
 import zmq
 
-from pagectl.admin import wire
-from pagectl.admin.client import AdminClient, AdminError, TelemetrySubscriber
-from pagectl.admin.control import handle_control
-from pagectl.admin.engine_loop import EngineLoop
-from pagectl.admin.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
-from pagectl.admin.runtime import (
+from pagectl.control.client import AdminClient, AdminError, TelemetrySubscriber
+from pagectl.control.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
+from pagectl.control.runtime import (
     DaemonDir,
     RuntimeNotFound,
     find_runtime,
     loopback_only,
     read_token,
 )
-from pagectl.admin.testing import fake_engine
 from pagectl.engine.args import EngineArgs
 from pagectl.engine.commands import GetStatus, SetConfig, SetPrefixCaching
 from pagectl.engine.outputs import EngineRequest
 from pagectl.engine.telemetry import decode_snapshot
+from pagectl.engine_process import wire
+from pagectl.engine_process.control_handler import handle_control
+from pagectl.engine_process.loop import EngineLoop
+from pagectl.testing.fake_engine import fake_engine
 
 TOKEN = "s3cret-token"
 

@@ -10,12 +10,14 @@ import json
 
 import pytest
 
-from pagectl.admin.app import ServerSettings, create_app
-from pagectl.admin.errors import APIError
-from pagectl.admin.json_fields import parse_json
-from pagectl.admin.testing import InProcessEngine, fake_engine
-from pagectl.admin.validation import ModelFacts, parse_chat, parse_completion
 from pagectl.engine.args import EngineArgs
+from pagectl.server.app import create_app
+from pagectl.server.errors import APIError
+from pagectl.server.json_fields import parse_json
+from pagectl.server.state import ServerSettings
+from pagectl.server.validation import ModelFacts, parse_chat, parse_completion
+from pagectl.testing.fake_engine import fake_engine
+from pagectl.testing.in_process import InProcessEngine
 
 MAX_LEN = 256
 

@@ -610,7 +610,10 @@ def test_bench_throughput_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_end_to_end_against_a_fake_engine_daemon(tmp_path):
     argv = ["bench", "serve", *_TINY, "--concurrency", "3", "--peers", "none"]
-    argv += ["--daemon-arg=--engine-factory", "--daemon-arg=pagectl.admin.testing:fake_engine"]
+    argv += [
+        "--daemon-arg=--engine-factory",
+        "--daemon-arg=pagectl.testing.fake_engine:fake_engine",
+    ]
     rep = _pagectl(argv, tmp_path)
     m = rep["results"]["pagectl"]
     assert m["completed"] == 6 and m["failed"] == 0

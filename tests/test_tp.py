@@ -31,13 +31,13 @@ import pytest
 import requests
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
-from pagectl.admin.testing import DaemonProcess, free_port
 from pagectl.engine.args import EngineArgs
 from pagectl.engine.builder import build_engine
 from pagectl.engine.distributed.step_wire import OP_STEP, pack_step, unpack_step
 from pagectl.engine.distributed.workers import TPWorkerError, TPWorkers
 from pagectl.engine.runner.input_batch import StepArrays
 from pagectl.engine.sampling_params import SamplingParams
+from pagectl.testing.daemon_process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -333,9 +333,9 @@ def test_engine_loop_dies_when_a_worker_died_while_idle():
     death is reported (EngineDead, exit status 1) even when no request is running."""
     import zmq
 
-    from pagectl.admin import wire
-    from pagectl.admin.engine_loop import EngineLoop
-    from pagectl.admin.testing import fake_engine
+    from pagectl.engine_process import wire
+    from pagectl.engine_process.loop import EngineLoop
+    from pagectl.testing.fake_engine import fake_engine
 
     core = fake_engine(EngineArgs(num_kv_blocks=8)).core
 

@@ -11,8 +11,8 @@ import pytest
 from test_tui_app import SIZE, wait_answers, wait_until
 from tiny_models import build_tiny_model
 
-from pagectl.admin.testing import DaemonProcess
 from pagectl.engine.commands import SetConfig, SetPrefixCaching
+from pagectl.testing.daemon_process import DaemonProcess
 from pagectl.tui.app import PagectlTop
 from pagectl.tui.connection import LIVE
 from pagectl.tui.zmq_source import ZmqSource, runtime_resolver

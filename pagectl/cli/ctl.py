@@ -135,8 +135,8 @@ def _format_result(name: str, result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagectl.admin.client import AdminClient, AdminError, default_client_name
-    from pagectl.admin.runtime import RuntimeNotFound, find_runtime, read_token
+    from pagectl.control.client import AdminClient, AdminError, default_client_name
+    from pagectl.control.runtime import RuntimeNotFound, find_runtime, read_token
 
     def err(msg: str, code: int) -> int:
         print(f"pagectl ctl: {msg}", file=sys.stderr)

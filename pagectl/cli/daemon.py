@@ -150,12 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagectl.admin.app import DEFAULT_AUTH_ALLOW, ServerSettings
-    from pagectl.admin.daemon import DaemonOptions
-    from pagectl.admin.daemon import run as run_daemon
-    from pagectl.admin.runtime import loopback_only
     from pagectl.cli.generate import engine_kwargs
+    from pagectl.control.runtime import loopback_only
+    from pagectl.daemon.lifecycle import DaemonOptions
+    from pagectl.daemon.lifecycle import run as run_daemon
     from pagectl.engine.args import EngineArgs
+    from pagectl.server.state import DEFAULT_AUTH_ALLOW, ServerSettings
 
     def fail(msg: str) -> int:
         print(f"pagectl daemon: {msg}", file=sys.stderr)

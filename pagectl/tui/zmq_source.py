@@ -1,4 +1,4 @@
-"""The live ``AdminSource``: a daemon's admin channel over ZMQ (see ``pagectl.admin.protocol``).
+"""The live ``AdminSource``: a daemon's admin channel over ZMQ (see ``pagectl.control.protocol``).
 
 Telemetry: a SUB socket with ZMQ_CONFLATE, so only the newest snapshot is ever queued and a
 slow console drops frames instead of falling behind. Control: a DEALER socket sending
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from pagectl.admin.client import default_client_name
-from pagectl.admin.protocol import ControlRequest, decode_reply, encode
+from pagectl.control.client import default_client_name
+from pagectl.control.protocol import ControlRequest, decode_reply, encode
 from pagectl.engine.commands import Command, CommandError
 from pagectl.tui.source import Frame
 
@@ -46,10 +46,10 @@ Resolver = Callable[[], Endpoints]
 
 
 def runtime_resolver(runtime_dir: str | None) -> Resolver:
-    """Find the daemon through its runtime file (``pagectl.admin.client.find_runtime``)."""
+    """Find the daemon through its runtime file (``pagectl.control.client.find_runtime``)."""
 
     def resolve() -> Endpoints:
-        from pagectl.admin.client import find_runtime
+        from pagectl.control.client import find_runtime
 
         info = find_runtime(runtime_dir)
         return Endpoints(info.telemetry_endpoint, info.control_endpoint, info.token_file)

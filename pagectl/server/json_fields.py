@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from pagectl.admin.errors import bad_request
+from pagectl.server.errors import bad_request
 
 
 def _reject_constant(name: str) -> Any:

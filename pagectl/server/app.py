@@ -1,4 +1,4 @@
-"""The aiohttp application: factory, shared state, middlewares.
+"""The aiohttp application: factory, middlewares, the engine's start and stop.
 
 ``create_app(settings, engine)`` builds the app; the engine is started and stopped by the
 app's ``cleanup_ctx`` (start: spawn + handshake + tokenizer; stop: shutdown), so the same
@@ -11,130 +11,20 @@ import asyncio
 import hmac
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from pagectl.admin import wire
-from pagectl.admin.errors import APIError
-from pagectl.admin.formatting import TokenText
-from pagectl.admin.json_fields import parse_json
-from pagectl.admin.metrics import Metrics
-from pagectl.admin.validation import ModelFacts
+from pagectl.server import routes
+from pagectl.server.body import too_large
+from pagectl.server.errors import APIError
+from pagectl.server.formatting import TokenText
+from pagectl.server.metrics import Metrics
+from pagectl.server.state import STATE, ServerSettings, ServerState
+from pagectl.server.validation import ModelFacts
 
-log = logging.getLogger("pagectl.admin")
-
-DEFAULT_AUTH_ALLOW = ("/health", "/metrics")
-DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
-
-
-@dataclass
-class ServerSettings:
-    """HTTP-side options of the daemon."""
-
-    # Name the API reports and accepts (None: the engine's model name).
-    served_model_name: str | None = None
-    # Accepted API keys (empty: no authentication).
-    api_keys: list[str] = field(default_factory=list)
-    # Paths reachable without a key when keys are set.
-    auth_allow: tuple[str, ...] = DEFAULT_AUTH_ALLOW
-    # Most requests queued for the engine (submitted, no output yet); past it: 503.
-    max_num_queued_requests: int | None = None
-    # Largest request body in bytes; past it: 413.
-    max_body_size: int = DEFAULT_MAX_BODY_SIZE
-    # Seconds a client is told to wait after a 503 for overload.
-    retry_after_s: int = 1
-    # A local tokenizer directory to start loading before the engine's handshake names it.
-    tokenizer_hint: str | None = None
-
-
-@dataclass
-class ServerState:
-    """Everything the handlers share. Owned by the event loop thread."""
-
-    settings: ServerSettings
-    # EngineClient or a test double with the same methods.
-    engine: Any
-    metrics: Metrics
-    ready: wire.EngineReady | None = None
-    facts: ModelFacts | None = None
-    token_text: TokenText | None = None
-    # Set on SIGTERM: new requests get 503, /health 503.
-    draining: bool = False
-    # HTTP generation requests being served (drain waits for them).
-    num_active: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    start_time: float = field(default_factory=time.time)
-
-    # Set once the engine has started (before the server listens); handlers use these.
-    @property
-    def model(self) -> ModelFacts:
-        assert self.facts is not None, "the engine has not started"
-        return self.facts
-
-    @property
-    def engine_ready(self) -> wire.EngineReady:
-        assert self.ready is not None, "the engine has not started"
-        return self.ready
-
-    @property
-    def tokens(self) -> TokenText:
-        assert self.token_text is not None, "the engine has not started"
-        return self.token_text
-
-    def check_admission(self) -> None:
-        """503 (with Retry-After when overloaded) unless a new request may go in."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self.engine.dead is not None:
-            raise APIError(
-                503, f"the engine is not running: {self.engine.dead}", code="engine_dead"
-            )
-        limit = self.settings.max_num_queued_requests
-        if limit is not None and self.engine.num_unstarted >= limit:
-            raise APIError(
-                503,
-                f"the server is overloaded: {limit} requests are already queued; retry later",
-                code="overloaded",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            )
-
-    def begin(self) -> None:
-        self.num_active += 1
-        self.idle.clear()
-
-    def end(self) -> None:
-        self.num_active -= 1
-        if not self.num_active:
-            self.idle.set()
-
-
-STATE = web.AppKey("state", ServerState)
-
-
-async def read_body(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object (400 wrong content type or bad JSON, 413 too big)."""
-    if request.content_type != "application/json":
-        raise APIError(
-            400,
-            f"Content-Type must be application/json, got {request.content_type or 'none'}",
-            code="unsupported_content_type",
-        )
-    limit = request.app[STATE].settings.max_body_size
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(limit) from None
-    return parse_json(raw)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+log = logging.getLogger("pagectl.server")
 
 
 @web.middleware
@@ -148,7 +38,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         if e.status == 413:
-            return _too_large(request.app[STATE].settings.max_body_size).response()
+            return too_large(request.app[STATE].settings.max_body_size).response()
         headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
         return APIError(e.status, e.reason, headers=headers).response()
     except Exception:
@@ -249,8 +139,6 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(settings: ServerSettings, engine: Any) -> web.Application:
     """The OpenAI-compatible application around ``engine`` (started by the app's cleanup_ctx)."""
-    from pagectl.admin import routes
-
     app = web.Application(
         middlewares=[error_middleware, auth_middleware], client_max_size=settings.max_body_size
     )

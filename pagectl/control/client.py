@@ -1,6 +1,6 @@
 """A small client for the admin channel, shared by ``pagectl ctl`` and ``pagectl top``.
 
-    from pagectl.admin.client import AdminClient, TelemetrySubscriber, find_runtime
+    from pagectl.control.client import AdminClient, TelemetrySubscriber, find_runtime
     from pagectl.engine.commands import SetConfig
 
     info = find_runtime()                       # or find_runtime("/path/to/runtime/dir")
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from pagectl.admin.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
-from pagectl.admin.runtime import RuntimeNotFound, find_runtime, read_token
+from pagectl.control.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
+from pagectl.control.runtime import RuntimeNotFound, find_runtime, read_token
 from pagectl.engine.commands import Command
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pagectl.admin.app import STATE, ServerSettings, create_app
-from pagectl.admin.engine_client import EngineClient, EngineStartError
-from pagectl.admin.engine_proc import EngineProcConfig
-from pagectl.admin.protocol import RuntimeInfo
-from pagectl.admin.runtime import DaemonDir, loopback_only
+from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.runtime import DaemonDir, loopback_only
 from pagectl.engine.args import EngineArgs
+from pagectl.engine_process.client import EngineClient, EngineStartError
+from pagectl.engine_process.main import EngineProcConfig
+from pagectl.server.app import create_app
+from pagectl.server.state import STATE, ServerSettings
 
 log = logging.getLogger("pagectl.daemon")
 

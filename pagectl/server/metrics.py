@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagectl.admin.wire import EngineStats
+from pagectl.engine_process.wire import EngineStats
 
 # No ``*_created`` series: they double the output and no dashboard here reads them.
 disable_created_metrics()

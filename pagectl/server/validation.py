@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagectl.admin.errors import APIError, bad_request
-from pagectl.admin.json_fields import get_bool, get_int, get_number, get_str, is_int
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.tokenizer import apply_chat_template
+from pagectl.server.errors import APIError, bad_request
+from pagectl.server.json_fields import get_bool, get_int, get_number, get_str, is_int
 
 # Most prompts in one completions request, and most messages in one chat request.
 MAX_PROMPTS = 256

@@ -41,7 +41,7 @@ class ControlRequest(msgspec.Struct, kw_only=True):
 class ErrorInfo(msgspec.Struct):
     # Sent by the daemon: unauthorized | bad_request | unknown_command | unknown_setting |
     # invalid_value | not_found | internal. Clients may add their own, never sent on the
-    # wire (pagectl.admin.client: timeout, no_token). See docs/ADMIN_PROTOCOL.md.
+    # wire (pagectl.control.client: timeout, no_token). See docs/ADMIN_PROTOCOL.md.
     kind: str
     message: str
 

@@ -8,11 +8,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagectl import __version__
-from pagectl.admin.app import STATE, read_body
-from pagectl.admin.errors import APIError, bad_request
-from pagectl.admin.json_fields import get_bool
-from pagectl.admin.openai_api import chat_completions, completions
-from pagectl.admin.validation import (
+from pagectl.server.body import read_body
+from pagectl.server.errors import APIError, bad_request
+from pagectl.server.json_fields import get_bool
+from pagectl.server.openai_api import chat_completions, completions
+from pagectl.server.state import STATE
+from pagectl.server.validation import (
     ModelFacts,
     check_model,
     parse_messages,

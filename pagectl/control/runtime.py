@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from pagectl.admin.protocol import RuntimeInfo
+from pagectl.control.protocol import RuntimeInfo
 
 RUNTIME_FILE = "runtime.json"
 TOKEN_FILE = "control.token"

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from pagectl.admin.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
+from pagectl.control.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
 
 _command_decoder = msgspec.msgpack.Decoder(Command)

@@ -18,9 +18,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagectl.admin import wire
-from pagectl.admin.engine_proc import EngineProcConfig
 from pagectl.engine.outputs import EngineRequest
+from pagectl.engine_process import wire
+from pagectl.engine_process.main import EngineProcConfig
 
 # How often the engine process is polled for an unexpected exit.
 _WATCH_INTERVAL_S = 0.1
@@ -135,7 +135,7 @@ class EngineClient(OutputRouter):
         """Spawn the engine process and wait for its handshake (as long as it lives)."""
         self._bind()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagectl.admin.engine_proc"], stdin=subprocess.PIPE
+            [sys.executable, "-m", "pagectl.engine_process.main"], stdin=subprocess.PIPE
         )
         assert self.proc.stdin is not None
         # The pipe stays open for the engine's lifetime: its EOF tells the engine we died.

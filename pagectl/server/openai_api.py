@@ -15,18 +15,19 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pagectl.admin.app import STATE, ServerState, read_body
-from pagectl.admin.engine_client import EngineDeadError, EngineError, RequestRejected
-from pagectl.admin.errors import APIError
-from pagectl.admin.formatting import (
+from pagectl.engine_process.client import EngineDeadError, EngineError, RequestRejected
+from pagectl.server.body import read_body
+from pagectl.server.errors import APIError
+from pagectl.server.formatting import (
     chat_logprobs,
     completion_logprobs,
     send_done,
     send_event,
     start_sse,
 )
-from pagectl.admin.serving import EngineRequestError, Generation, Update
-from pagectl.admin.validation import GenerationSpec, parse_chat, parse_completion
+from pagectl.server.serving import EngineRequestError, Generation, Update
+from pagectl.server.state import STATE, ServerState
+from pagectl.server.validation import GenerationSpec, parse_chat, parse_completion
 
 _json = msgspec.json.Encoder()
 

@@ -27,9 +27,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagectl.admin import wire
-from pagectl.admin.control import handle_control
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
+from pagectl.engine_process import wire
+from pagectl.engine_process.control_handler import handle_control
 
 # At most this many messages of each kind are taken per turn, so a flood of requests or
 # control messages cannot starve the step.

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagectl.admin.engine_client import EngineError
-from pagectl.admin.validation import GenerationSpec, Prompt
 from pagectl.engine.outputs import EngineCoreOutput, EngineRequest, TokenLogprobs
 from pagectl.engine.tokenizer import IncrementalDetokenizer
+from pagectl.engine_process.client import EngineError
+from pagectl.server.validation import GenerationSpec, Prompt
 
 
 class EngineRequestError(EngineError):

@@ -1,4 +1,4 @@
-"""The engine-core process: ``python -m pagectl.admin.engine_proc``, started by the daemon.
+"""The engine-core process: ``python -m pagectl.engine_process.main``, started by the daemon.
 
 The parent writes one JSON line (``EngineProcConfig``) to our stdin and keeps the pipe open
 for as long as it lives. End of file on stdin means the parent is gone: the loop stops and
@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagectl.admin import wire
-from pagectl.admin.runtime import read_token
+from pagectl.control.runtime import read_token
+from pagectl.engine_process import wire
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -118,8 +118,8 @@ def engine_ready(
 
 
 def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
-    from pagectl.admin.engine_loop import EngineLoop, send_until_stopped
     from pagectl.engine.args import EngineArgs
+    from pagectl.engine_process.loop import EngineLoop, send_until_stopped
 
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)

@@ -1,0 +1,33 @@
+"""Reading a request's body: content type and size checked, then strict JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from pagectl.server.errors import APIError
+from pagectl.server.json_fields import parse_json
+from pagectl.server.state import STATE
+
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object (400 wrong content type or bad JSON, 413 too big)."""
+    if request.content_type != "application/json":
+        raise APIError(
+            400,
+            f"Content-Type must be application/json, got {request.content_type or 'none'}",
+            code="unsupported_content_type",
+        )
+    limit = request.app[STATE].settings.max_body_size
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(limit) from None
+    return parse_json(raw)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
