@@ -142,7 +142,7 @@ def run_pagectl(
 def _engine_counters(llm: Any) -> dict[str, int]:
     """Scheduler counters (steps, prompt tokens computed, preemptions), when reachable."""
     try:
-        c = llm.core.scheduler.counters
+        c = llm.core.counters
     except AttributeError:
         return {}
     return {

@@ -35,6 +35,7 @@ from pagectl.engine.scheduler import Scheduler
 from pagectl.engine.telemetry import (
     TELEMETRY_VERSION,
     BlockMap,
+    Counters,
     ModelInfo,
     RequestRow,
     TelemetrySnapshot,
@@ -151,6 +152,28 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.scheduler.has_pending_outputs()
+
+    def finish_by_stop_string(self, request_id: str, index: int, stop: str) -> None:
+        """Finish sample ``index`` of a request whose text hit ``stop`` (found by the output
+        processor, outside the engine); a sequence already finished is left alone."""
+        self.scheduler.finish_by_stop_string(request_id, index, stop)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs produced outside a step (aborts, refusals), once each."""
+        return self.scheduler.take_pending_outputs()
+
+    def add_event(self, kind: str, message: str, **data: object) -> None:
+        """Record an event in the engine's event log (telemetry and the console show it)."""
+        self.scheduler.add_event(kind, message, **data)
+
+    def live_config(self) -> dict[str, int | float | str | bool]:
+        """The settings in force (live ones and their start-up limits)."""
+        return self.scheduler.live_config()
+
+    @property
+    def counters(self) -> Counters:
+        """The engine's running totals (steps, tokens, preemptions, ...); read-only use."""
+        return self.scheduler.counters
 
     # -- the step -----------------------------------------------------------------------
 

@@ -13,12 +13,13 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from pagectl.engine.outputs import EngineRequest
+from pagectl.engine.outputs import EngineCoreOutput, EngineRequest
 from pagectl.engine_process import wire
 from pagectl.engine_process.main import EngineProcConfig
 
@@ -42,6 +43,66 @@ class RequestRejected(EngineError):
     """The engine refused one request (its own validation); nothing else is affected."""
 
 
+# What an HTTP request's queue receives: its engine outputs in engine order, or the error
+# that ends it (``RequestRejected`` for one engine request, ``EngineDeadError`` for all).
+OutputQueue = asyncio.Queue[EngineCoreOutput | EngineError]
+
+
+class EngineClientProtocol(Protocol):
+    """What the API server needs from an engine: start and stop it, add requests and stream
+    their outputs to a queue, abort, stop a sequence at a stop string, drain.
+
+    Implemented by ``EngineClient`` (the engine-core process over ZMQ) and
+    ``pagectl.testing.in_process.InProcessEngine`` (an ``EngineCore`` on the event loop).
+    Event loop thread only.
+    """
+
+    # The engine's handshake, once started.
+    ready: wire.EngineReady | None
+    # The latest figures from the engine (for /metrics and /health), once it sent any.
+    stats: wire.EngineStats | None
+    # Why the engine is dead, or None while it lives.
+    dead: str | None
+
+    @property
+    def num_unstarted(self) -> int:
+        """Submitted requests with no output yet: queued for admission or prefilling."""
+        ...
+
+    async def start(self) -> wire.EngineReady:
+        """Start the engine; returns its handshake. Raises ``EngineStartError``."""
+        ...
+
+    async def shutdown(self) -> object:
+        """Stop the engine (after the server stopped serving)."""
+        ...
+
+    def submit(self, request: EngineRequest, queue: OutputQueue) -> None:
+        """Add one request; its outputs (and any failure) arrive on ``queue``. Raises
+        ``EngineDeadError`` when the engine is gone."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine (their blocks are freed) and stop routing them."""
+        ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Stop routing outputs of these requests (their handler is done with them)."""
+        ...
+
+    def abort_all(self) -> None:
+        """Abort every routed request, keeping the routes: handlers get the final outputs."""
+        ...
+
+    def finish_stop_string(self, request_id: str, index: int, stop: str) -> None:
+        """Finish one sample whose text hit a stop string (found by the output processor)."""
+        ...
+
+    def set_draining(self, draining: bool = True) -> None:
+        """Report the engine as draining (or not) in its telemetry."""
+        ...
+
+
 class OutputRouter:
     """Routes engine outputs to the queue of the HTTP request that owns them.
 
@@ -51,7 +112,7 @@ class OutputRouter:
 
     def __init__(self) -> None:
         # engine request id -> the queue of the HTTP request that owns it.
-        self._routes: dict[str, asyncio.Queue] = {}
+        self._routes: dict[str, OutputQueue] = {}
         # Submitted requests that have had no output yet (waiting for admission or prefill).
         self._unstarted: set[str] = set()
 
@@ -60,7 +121,7 @@ class OutputRouter:
         """Submitted requests with no output yet: queued for admission or prefilling."""
         return len(self._unstarted)
 
-    def _add_route(self, request_id: str, queue: asyncio.Queue) -> None:
+    def _add_route(self, request_id: str, queue: OutputQueue) -> None:
         self._routes[request_id] = queue
         self._unstarted.add(request_id)
 
@@ -70,7 +131,7 @@ class OutputRouter:
             self._routes.pop(rid, None)
             self._unstarted.discard(rid)
 
-    def _deliver(self, request_id: str, item: object) -> None:
+    def _deliver(self, request_id: str, item: EngineCoreOutput | EngineError) -> None:
         """Hand an output (or a ``RequestRejected``) to the request's queue, if still routed."""
         q = self._routes.get(request_id)
         if q is not None:
@@ -214,7 +275,7 @@ class EngineClient(OutputRouter):
             with contextlib.suppress(EngineDeadError):
                 self._send(msg)
 
-    def submit(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+    def submit(self, request: EngineRequest, queue: OutputQueue) -> None:
         """Send one request; its outputs (and any failure) will arrive on ``queue``."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)

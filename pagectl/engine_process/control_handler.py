@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hmac
 import typing
-from typing import Any
 
 import msgspec
 
 from pagectl.control.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
+from pagectl.engine.core import EngineCore
 
 _command_decoder = msgspec.msgpack.Decoder(Command)
 # The values of the "cmd" tag the daemon understands.
@@ -58,7 +58,7 @@ def _guess_id(frame: bytes) -> int:
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
 
 
-def handle_control(core: Any, token: str, frame: bytes) -> tuple[bytes, bool]:
+def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, bool]:
     """Serve one request frame. Returns (reply frame, whether engine state may have changed)."""
     try:
         env = _envelope_decoder.decode(frame)

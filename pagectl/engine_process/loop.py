@@ -22,11 +22,11 @@ import math
 import threading
 import time
 import traceback
-from typing import Any
 
 import msgspec
 import zmq
 
+from pagectl.engine.core import EngineCore
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 from pagectl.engine_process import wire
 from pagectl.engine_process.control_handler import handle_control
@@ -82,7 +82,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        core: Any,
+        core: EngineCore,
         *,
         input_sock: zmq.Socket,
         output_sock: zmq.Socket,
@@ -138,7 +138,7 @@ class EngineLoop:
             for rid in msg.request_ids:
                 core.abort_request(rid)
         elif isinstance(msg, wire.FinishStopString):
-            core.scheduler.finish_by_stop_string(msg.request_id, msg.index, msg.stop)
+            core.finish_by_stop_string(msg.request_id, msg.index, msg.stop)
         elif isinstance(msg, wire.SetDraining):
             core.state_override = "draining" if msg.draining else None
             self._next_publish = 0.0
@@ -214,7 +214,7 @@ class EngineLoop:
         message = f"{what}: {type(exc).__name__}: {exc}"
         traceback.print_exc()
         self.core.state_override = "dead"
-        self.core.scheduler.add_event("error", message)
+        self.core.add_event("error", message)
         with contextlib.suppress(Exception):  # best effort while dying
             self.publish()
         self._send(wire.EngineDead(message))

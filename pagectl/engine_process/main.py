@@ -111,7 +111,7 @@ def engine_ready(
         eos_token_ids=list(built.eos_token_ids),
         sampling_defaults=dict(built.sampling_defaults),
         model_info=core.model_info,
-        config=core.scheduler.live_config(),
+        config=core.live_config(),
         telemetry_endpoint=telemetry_endpoint,
         control_endpoint=control_endpoint,
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pagectl.engine_process.client import EngineClientProtocol
 from pagectl.server import routes
 from pagectl.server.body import too_large
 from pagectl.server.errors import APIError
@@ -112,7 +113,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
-    static = {
+    static: dict[str, Any] = {
         k: ready.config[k]
         for k in (
             "block_size",
@@ -137,7 +138,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.engine.shutdown()
 
 
-def create_app(settings: ServerSettings, engine: Any) -> web.Application:
+def create_app(settings: ServerSettings, engine: EngineClientProtocol) -> web.Application:
     """The OpenAI-compatible application around ``engine`` (started by the app's cleanup_ctx)."""
     app = web.Application(
         middlewares=[error_middleware, auth_middleware], client_max_size=settings.max_body_size

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from pagectl.engine_process import wire
+from pagectl.engine_process.client import EngineClientProtocol
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
 from pagectl.server.metrics import Metrics
@@ -48,8 +48,8 @@ class ServerState:
     """Everything the handlers share. Owned by the event loop thread."""
 
     settings: ServerSettings
-    # EngineClient or a test double with the same methods.
-    engine: Any
+    # The engine-core process's client in the daemon; an in-process engine in tests.
+    engine: EngineClientProtocol
     metrics: Metrics
     ready: wire.EngineReady | None = None
     facts: ModelFacts | None = None

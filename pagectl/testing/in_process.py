@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagectl.engine.core import EngineCore
+from pagectl.engine.outputs import EngineRequest
 from pagectl.engine_process import wire
-from pagectl.engine_process.client import EngineDeadError, OutputRouter, RequestRejected
+from pagectl.engine_process.client import (
+    EngineClientProtocol,
+    EngineDeadError,
+    OutputQueue,
+    OutputRouter,
+    RequestRejected,
+)
 from pagectl.engine_process.loop import engine_stats
 from pagectl.engine_process.main import engine_ready
 
@@ -21,7 +29,7 @@ class InProcessEngine(OutputRouter):
     def __init__(self, built: Any) -> None:
         super().__init__()
         self.built = built
-        self.core = built.core
+        self.core: EngineCore = built.core
         self.stats: wire.EngineStats | None = None
         self.dead: str | None = None
         self.ready: wire.EngineReady | None = None
@@ -56,7 +64,7 @@ class InProcessEngine(OutputRouter):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def submit(self, request: Any, queue: asyncio.Queue) -> None:
+    def submit(self, request: EngineRequest, queue: OutputQueue) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._add_route(request.request_id, queue)
@@ -79,7 +87,7 @@ class InProcessEngine(OutputRouter):
         self._wake.set()
 
     def finish_stop_string(self, request_id: str, index: int, stop: str) -> None:
-        self.core.scheduler.finish_by_stop_string(request_id, index, stop)
+        self.core.finish_by_stop_string(request_id, index, stop)
 
     def set_draining(self, draining: bool = True) -> None:
         self.core.state_override = "draining" if draining else None
@@ -88,3 +96,9 @@ class InProcessEngine(OutputRouter):
         """Behave as if the engine process died."""
         self.dead = reason
         self._fail_all(EngineDeadError(reason))
+
+
+if TYPE_CHECKING:  # mypy checks that the double has every method the API server uses
+
+    def _conforms(engine: InProcessEngine) -> EngineClientProtocol:
+        return engine
