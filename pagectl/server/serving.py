@@ -2,7 +2,8 @@
 
 A request with P prompts and n samples is P engine requests; choice ``p * n + i`` is sample
 ``i`` of prompt ``p`` (OpenAI's numbering). Outputs arrive on one queue in engine order; each
-is applied to its choice: tokens are detokenized incrementally, stop strings end the choice
+goes through the engine's ``OutputProcessor`` (text, stop strings, finish reasons, cached
+tokens: the same rules as the offline ``LLM``); a stop string found there ends the choice
 here and the engine is told to stop that sequence.
 """
 
@@ -12,12 +13,14 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from pagectl.engine.output_processor import OutputProcessor, RequestState, SampleState
 from pagectl.engine.outputs import EngineCoreOutput, EngineRequest, TokenLogprobs
 from pagectl.engine.tokenizer import IncrementalDetokenizer
-from pagectl.engine_process.client import EngineError
+from pagectl.engine_process.client import EngineClientProtocol, EngineError, OutputQueue
+from pagectl.server.metrics import Metrics
 from pagectl.server.validation import GenerationSpec, Prompt
 
 
@@ -29,32 +32,67 @@ class EngineRequestError(EngineError):
 class PromptRun:
     """One engine request: one prompt and its n samples."""
 
-    request_id: str
     # Position among the request's prompts.
     pos: int
     prompt: Prompt
-    num_cached_tokens: int = 0
-    # Logprobs of prompt tokens 1.. (the first prompt token has none), when asked for.
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_finished: int = 0
+    # The output processor's state of this engine request.
+    state: RequestState
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.state.num_cached_tokens
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens 1.. (the first prompt token has none), when asked for."""
+        return self.state.prompt_logprobs
 
 
 @dataclass
 class Choice:
     index: int
     run: PromptRun
-    # Index of this sample among its prompt's n (the engine's ``index``).
-    sample: int
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    # The output processor's state of this sample.
+    seq: SampleState
     last_token_time: float | None = None
 
     @property
+    def sample(self) -> int:
+        """Index of this sample among its prompt's n (the engine's ``index``)."""
+        return self.seq.index
+
+    @property
+    def detok(self) -> IncrementalDetokenizer:
+        return self.seq.detok
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        return self.seq.logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.seq.stop_reason
+
+    @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.seq.finished
+
+    @property
+    def done(self) -> bool:
+        """Ended normally (an "error" end is answered as an error, never as a choice)."""
+        return self.seq.finished and self.seq.finish_reason != "error"
 
 
 @dataclass
@@ -74,46 +112,47 @@ class Generation:
     """Submits a validated request to the engine and turns its outputs into choice updates.
 
     Args:
-        engine: an ``EngineClient`` (or anything with submit / abort / release /
-            finish_stop_string).
+        engine: the engine client.
         tokenizer: the HF tokenizer, or None.
         spec: the validated request.
         request_id: the HTTP request's id; engine requests are ``request_id`` (one prompt)
             or ``f"{request_id}-{p}"``.
-        metrics: a ``Metrics`` (or None) to record latencies and finish reasons in.
+        metrics: where to record latencies and finish reasons, or None.
     """
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClientProtocol,
         tokenizer: Any,
         spec: GenerationSpec,
         request_id: str,
-        metrics: Any = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self.spec = spec
         self.request_id = request_id
         self.metrics = metrics
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: OutputQueue = asyncio.Queue()
         self.created = int(time.time())
         self.arrival = time.time()
         self._start = time.monotonic()
         self._first_token_seen = False
         n = spec.params.n
         single = len(spec.prompts) == 1
+        self.processor = OutputProcessor(tokenizer)
         self.runs = [
-            PromptRun(request_id if single else f"{request_id}-{p}", p, prompt)
+            PromptRun(
+                p,
+                prompt,
+                self.processor.add_request(
+                    request_id if single else f"{request_id}-{p}", prompt.token_ids, spec.params
+                ),
+            )
             for p, prompt in enumerate(spec.prompts)
         ]
         self._runs_by_id = {r.request_id: r for r in self.runs}
         self.choices = [
-            Choice(
-                p * n + i,
-                run,
-                i,
-                IncrementalDetokenizer(tokenizer, run.prompt.token_ids, spec.params),
-            )
+            Choice(p * n + i, run, run.state.samples[i])
             for p, run in enumerate(self.runs)
             for i in range(n)
         ]
@@ -152,19 +191,12 @@ class Generation:
             pass
 
     def _apply(self, out: EngineCoreOutput) -> Update | None:
-        run = self._runs_by_id.get(out.request_id)
-        if run is None:
+        su = self.processor.process(out)
+        if su is None:
             return None
-        run.num_cached_tokens = max(run.num_cached_tokens, out.num_cached_tokens)
-        if out.prompt_logprobs:
-            run.prompt_logprobs.extend(out.prompt_logprobs)
-        choice = self.choices[run.pos * self.spec.params.n + out.index]
-        if choice.finished:
-            return None  # outputs in flight after a stop string ended the choice here
-        new = out.new_token_ids
-        lps = out.new_logprobs or []
-        text = ""
-        if new:
+        run = self._runs_by_id[su.request.request_id]
+        choice = self.choices[run.pos * self.spec.params.n + su.sample.index]
+        if su.token_ids:
             now = time.monotonic()
             if self.metrics is not None:
                 if not self._first_token_seen:
@@ -173,44 +205,35 @@ class Generation:
                     self.metrics.itl.observe(now - choice.last_token_time)
             self._first_token_seen = True
             choice.last_token_time = now
-            choice.token_ids.extend(new)
-            choice.logprobs.extend(lps)
-            text = choice.detok.push(new)
-        stop = choice.detok.stop_hit
-        if stop is not None:
-            self._finish(choice, "stop", stop)
-            if out.finish_reason is None:
-                self.engine.finish_stop_string(run.request_id, choice.sample, stop)
-        elif out.finish_reason is not None:
-            if out.finish_reason == "error":
-                raise EngineRequestError(out.error or "the request failed in the engine")
-            text += choice.detok.flush()
-            self._finish(choice, out.finish_reason, out.stop_reason)
-        elif not new:
-            return None
-        return Update(choice, text, new, lps, choice.finished)
+        if su.stop_in_engine is not None:
+            self.engine.finish_stop_string(run.request_id, choice.sample, su.stop_in_engine)
+        if su.finished:
+            if choice.finish_reason == "error":
+                raise EngineRequestError(su.sample.error or "the request failed in the engine")
+            self._finished(choice)
+        return Update(choice, su.text, su.token_ids, su.logprobs, su.finished)
 
-    def _finish(self, choice: Choice, reason: str, stop_reason: int | str | None) -> None:
-        choice.finish_reason = reason
-        choice.stop_reason = stop_reason
-        choice.run.num_finished += 1
+    def _finished(self, choice: Choice) -> None:
         self.num_unfinished -= 1
         if self.metrics is not None:
-            self.metrics.request_success.labels(reason).inc()
+            self.metrics.request_success.labels(choice.finish_reason).inc()
             if not self.num_unfinished:
                 self.metrics.e2e.observe(time.monotonic() - self._start)
 
     def close(self) -> None:
         """Abort whatever is still running in the engine; stop routing outputs here."""
-        n = self.spec.params.n
-        unfinished = [r.request_id for r in self.runs if r.num_finished < n]
+        unfinished = [r.request_id for r in self.runs if not all(c.done for c in self._of(r))]
         if unfinished:
             self.engine.abort([rid for rid in unfinished if rid in self._submitted])
             if self.metrics is not None:
                 for c in self.choices:
-                    if not c.finished:
+                    if not c.done:
                         self.metrics.request_success.labels("abort").inc()
         self.engine.release(self._submitted)
+
+    def _of(self, run: PromptRun) -> list[Choice]:
+        n = self.spec.params.n
+        return self.choices[run.pos * n : (run.pos + 1) * n]
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(r.prompt.token_ids) for r in self.runs)
