@@ -128,12 +128,23 @@ def read_runtime_file(path: str | os.PathLike) -> RuntimeInfo:
     return msgspec.json.decode(Path(path).read_bytes(), type=RuntimeInfo)
 
 
-def read_token(path: str | os.PathLike) -> str | None:
-    """The control token, or None when the file is missing or unreadable (read-only mode)."""
+def read_token_file(path: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(the control token, "") or (None, why the client is read-only): no file named, the
+    file unreadable, or empty. The one reader of token files."""
+    if not path:
+        return None, "no control token file"
     try:
-        return Path(path).read_text().strip() or None
-    except OSError:
-        return None
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        return None, f"cannot read the control token ({e.strerror}: {path})"
+    if not token:
+        return None, f"the control token file {path} is empty"
+    return token, ""
+
+
+def read_token(path: str | os.PathLike | None) -> str | None:
+    """The control token, or None when the file is missing, unreadable or empty (read-only)."""
+    return read_token_file(path)[0]
 
 
 def pid_alive(pid: int) -> bool:
