@@ -211,6 +211,17 @@ def test_the_console_and_ctl_import_no_http_server_module():
     assert "aiohttp" not in _third_party(reached)
 
 
+def test_no_pagectl_module_imports_the_test_doubles():
+    graph = _import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if not m.startswith("pagectl.testing")
+        and any(d.startswith("pagectl.testing") for d in deps)
+    }
+    assert users == set()
+
+
 def test_nothing_outside_the_engine_reaches_into_its_scheduler():
     """The engine's scheduler is the EngineCore's business: callers use EngineCore methods."""
     offenders = []
