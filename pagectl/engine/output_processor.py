@@ -31,9 +31,11 @@ from pagectl.engine.tokenizer import IncrementalDetokenizer
 
 # The message of an "error" finish the engine gave no reason for.
 UNKNOWN_ERROR = "the request failed in the engine"
+# Shared, never changed: the logprobs of an output that carries none.
+_NO_LOGPROBS: list[TokenLogprobs] = []
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleState:
     """One of a request's n samples, as output so far."""
 
@@ -60,7 +62,7 @@ class SampleState:
         return self.detok.text
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """One engine request: one prompt and its samples."""
 
@@ -78,7 +80,7 @@ class RequestState:
         return self.num_finished == len(self.samples)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleUpdate:
     """What one engine output changed for one sample."""
 
@@ -125,18 +127,20 @@ class OutputProcessor:
         req = self.requests.get(out.request_id)
         if req is None:
             return None
-        req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+        if out.num_cached_tokens > req.num_cached_tokens:
+            req.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs)
         sample = req.samples[out.index]
-        if sample.finished:
+        if sample.finish_reason is not None:
             return None
         new = out.new_token_ids
-        lps = out.new_logprobs or []
+        lps = out.new_logprobs or _NO_LOGPROBS
         text = ""
         if new:
             sample.token_ids.extend(new)
-            sample.logprobs.extend(lps)
+            if lps:
+                sample.logprobs.extend(lps)
             text = sample.detok.push(new)
         stop = sample.detok.stop_hit
         stop_in_engine = None
