@@ -16,7 +16,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import zmq
@@ -24,9 +25,35 @@ import zmq
 from pagectl.control.runtime import read_token
 from pagectl.engine_process import wire
 
+if TYPE_CHECKING:
+    from pagectl.engine.core import EngineCore
+
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
 TELEMETRY_SNDHWM = 2
+
+
+class Built(Protocol):
+    """What the engine process and the in-process test engine need of a built engine:
+    ``pagectl.engine.builder.BuiltEngine``, or what an ``--engine-factory`` returns."""
+
+    @property
+    def core(self) -> EngineCore: ...
+    @property
+    def tokenizer(self) -> Any | None: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def model_path(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+    @property
+    def sampling_defaults(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
 
 
 class EngineProcConfig(msgspec.Struct, kw_only=True):
@@ -90,7 +117,7 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 
 
 def engine_ready(
-    built: Any,
+    built: Built,
     tokenizer: str | None = None,
     *,
     telemetry_endpoint: str = "",

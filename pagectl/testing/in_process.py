@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagectl.engine.core import EngineCore
 from pagectl.engine.outputs import EngineRequest
@@ -18,7 +18,7 @@ from pagectl.engine_process.client import (
     RequestRejected,
 )
 from pagectl.engine_process.loop import engine_stats
-from pagectl.engine_process.main import engine_ready
+from pagectl.engine_process.main import Built, engine_ready
 
 
 class InProcessEngine(OutputRouter):
@@ -26,7 +26,7 @@ class InProcessEngine(OutputRouter):
     ``EngineClient`` (and the same output routing), for HTTP tests without processes or
     sockets."""
 
-    def __init__(self, built: Any) -> None:
+    def __init__(self, built: Built) -> None:
         super().__init__()
         self.built = built
         self.core: EngineCore = built.core
@@ -98,7 +98,12 @@ class InProcessEngine(OutputRouter):
         self._fail_all(EngineDeadError(reason))
 
 
-if TYPE_CHECKING:  # mypy checks that the double has every method the API server uses
+if TYPE_CHECKING:  # mypy checks that the doubles have what their users need
+    from pagectl.engine.builder import BuiltEngine
+    from pagectl.testing.fake_engine import FakeBuiltEngine
 
     def _conforms(engine: InProcessEngine) -> EngineClientProtocol:
         return engine
+
+    def _built(real: BuiltEngine, fake: FakeBuiltEngine) -> list[Built]:
+        return [real, fake]
