@@ -23,6 +23,7 @@ import zmq
 
 from pagectl.admin import wire
 from pagectl.admin.runtime import read_token
+from pagectl.engine.args import EngineArgs
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -32,8 +33,8 @@ TELEMETRY_SNDHWM = 2
 class EngineProcConfig(msgspec.Struct, kw_only=True):
     """What the daemon tells its engine process (JSON, one line on stdin)."""
 
-    # ``EngineArgs`` fields.
-    engine_args: dict[str, Any]
+    # The engine's start-up options (validated again when decoded).
+    engine_args: EngineArgs
     # "module:function" building the engine from EngineArgs instead of
     # ``pagectl.engine.builder.build_engine`` (tests use it for fault injection).
     engine_factory: str | None = None
@@ -119,7 +120,6 @@ def engine_ready(
 
 def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     from pagectl.admin.engine_loop import EngineLoop, send_until_stopped
-    from pagectl.engine.args import EngineArgs
 
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
@@ -140,7 +140,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token = read_token(cfg.token_file)
             if not token:
                 raise RuntimeError(f"cannot read the control token from {cfg.token_file}")
-            args = EngineArgs(**cfg.engine_args)
+            args = cfg.engine_args
             built = _load_factory(cfg.engine_factory)(args)
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)

@@ -23,6 +23,7 @@ from pagectl.engine.commands import (
     SetConfig,
     SetPrefixCaching,
 )
+from pagectl.engine.live_config import normalize_name
 from pagectl.engine.outputs import (
     EngineCoreOutput,
     EngineRequest,
@@ -170,7 +171,7 @@ class EngineCore:
         """Apply one admin command. Returns a result dict; raises ``CommandError``."""
         sched = self.scheduler
         if isinstance(cmd, SetConfig):
-            name = cmd.name.replace("-", "_")
+            name = normalize_name(cmd.name)
             try:
                 old, new = sched.set(name, cmd.value, client)
             except KeyError as e:

@@ -14,6 +14,7 @@ Owned by the engine loop thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -40,8 +41,8 @@ class Scheduler(LiveConfigMixin):
         event_history: int = 256,
     ) -> None:
         self.config = scheduler_config
-        # Start-up value: the live running cap may not exceed it.
-        self.max_num_seqs_limit = scheduler_config.max_num_seqs
+        # The start-up values, which bound the live ones (live_config.LIVE_SETTINGS).
+        self.startup_config = dataclasses.replace(scheduler_config)
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
