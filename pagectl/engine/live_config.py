@@ -246,3 +246,26 @@ def _parse_int(name: str, value: object) -> int:
         except ValueError:
             pass
     raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def settings_table() -> str:
+    """The Markdown table of the live settings in docs/ADMIN_PROTOCOL.md (a test checks that
+    the docs hold exactly this)."""
+    rows = [("name", "type", "range", "meaning")]
+    for s in LIVE_SETTINGS.values():
+        if s.type is bool:
+            span = '`true`/`false`, or `"on"`/`"off"`, `"1"`/`"0"`, ...'
+        elif s.startup_factor is None:
+            span = f">= {s.low}"
+        else:
+            whose = (
+                "the start-up value"
+                if s.startup_factor == 1
+                else f"{s.startup_factor}x the start-up value"
+            )
+            span = f"{s.low} .. `{s.limit_key}` ({whose})"
+        rows.append((f"`{s.name}`", s.type.__name__, span, s.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
