@@ -185,7 +185,8 @@ def huge_snapshot(num_blocks: int = 1_000_000, seed: int = 0, seq: int = 1) -> T
         )
     for r in rows[180:]:
         r.num_blocks = r.num_shared_blocks = r.num_computed_tokens = 0
-        r.num_cached_tokens = -1
+        r.num_cached_tokens = 0
+        r.admitted = False
         r.block_ids = b""
     ref[shared_prefix] = np.minimum(ref[shared_prefix], 255)
     used = int((ref > 0).sum())

@@ -101,7 +101,7 @@ def format_status(s: dict) -> str:
             rid = r["request_id"] + (f"#{r['index']}" if r["index"] else "")
             lines.append(
                 f"  {rid:<40} {r['state']:<9} {r['num_prompt_tokens']:>6} "
-                f"{r['num_output_tokens']:>5} {max(r['num_cached_tokens'], 0):>6} "
+                f"{r['num_output_tokens']:>5} {r['num_cached_tokens']:>6} "
                 f"{r['num_blocks']:>6} {r['num_preemptions']:>7}"
             )
     return "\n".join(lines)

@@ -129,7 +129,7 @@ class Scheduler(LiveConfigMixin):
             req.finish_reason,
             req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             **kw,
         )
@@ -242,8 +242,8 @@ class Scheduler(LiveConfigMixin):
             if not kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.pop()
-            first_admission = req.num_cached_tokens < 0
-            if first_admission:
+            if not req.admitted:
+                req.admitted = True
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_queries += (
                     req.num_prompt_tokens if kv.enable_prefix_caching else 0
@@ -403,7 +403,7 @@ class Scheduler(LiveConfigMixin):
                         None,
                         None,
                         req.num_prompt_tokens,
-                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                        req.num_cached_tokens,
                     )
                 )
         if finished:
