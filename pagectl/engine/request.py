@@ -134,6 +134,22 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 
+    def fork(self, index: int) -> Request:
+        """Sample ``index`` of this request: the same tokens, progress and stop conditions,
+        no blocks yet (the KV manager shares the parent's, ``KVCacheManager.fork``), forked
+        once and for all (``pending_forks`` 1). Lists are the child's own."""
+        child = Request.__new__(Request)
+        for slot in Request.__slots__:
+            setattr(child, slot, getattr(self, slot))
+        child.index = index
+        child.seq_id = f"{self.request_id}#{index}"
+        child.all_token_ids = list(self.all_token_ids)
+        child.blocks = []
+        child.block_ids = []
+        child.block_hashes = list(self.block_hashes)
+        child.pending_forks = 1
+        return child
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

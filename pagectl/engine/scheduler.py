@@ -312,15 +312,7 @@ class Scheduler(LiveConfigMixin):
         group = self.groups[parent.request_id]
         pos = self.running.index(parent) + 1
         for i in range(1, n):
-            child = Request.__new__(Request)
-            for slot in Request.__slots__:
-                setattr(child, slot, getattr(parent, slot))
-            child.index = i
-            child.seq_id = f"{parent.request_id}#{i}"
-            child.all_token_ids = list(parent.all_token_ids)
-            child.blocks = []
-            child.block_ids = []
-            child.pending_forks = 1
+            child = parent.fork(i)
             self.kv.fork(parent, child)
             group.append(child)
             self.running.insert(pos, child)
