@@ -11,6 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from pagectl.engine.commands import (
     Abort,
     Command,
@@ -23,7 +25,6 @@ from pagectl.engine.commands import (
     SetConfig,
     SetPrefixCaching,
 )
-from pagectl.engine.status import status_view
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot, encode_snapshot
 from pagectl.tui.blockmodel import owners_in_range
 from pagectl.tui.source import Frame
@@ -126,7 +127,7 @@ class FakeSource:
         if isinstance(cmd, InspectBlock):
             return self._inspect(cmd.block_id)
         if isinstance(cmd, GetStatus):
-            return status_view(snap) if snap is not None else {}
+            return msgspec.to_builtins(snap) if snap is not None else {}
         raise CommandError("unknown_command", f"unknown command {type(cmd).__name__}")
 
     def _inspect(self, block_id: int) -> dict:
