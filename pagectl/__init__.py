@@ -6,8 +6,8 @@ import os
 from typing import TYPE_CHECKING
 
 # OpenMP threads that spin while idle steal the CPU from the engine's own Python thread and
-# from other processes (2 threads on a busy 2-core machine ran 5x slower). Must be set before
-# torch is imported; an explicit setting in the environment wins.
+# from other processes (docs/MODEL_EXECUTION.md, "Threads on a shared machine"). Must be set
+# before torch is imported; an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from pagectl.engine.live_config import LIVE_SETTINGS
 from pagectl.tui.fmt import size
 
 EXIT_REFUSED = 1
@@ -34,11 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st = sub.add_parser("status", help="config, KV usage, counters, requests")
     st.add_argument("--json", action="store_true", help="the full status as JSON")
     s = sub.add_parser("set", help="change a live setting, e.g. `set max-num-batched-tokens 4096`")
-    s.add_argument(
-        "key",
-        help="max-num-batched-tokens, max-num-seqs, long-prefill-token-threshold, "
-        "enable-prefix-caching",
-    )
+    s.add_argument("key", help=", ".join(setting.flag for setting in LIVE_SETTINGS.values()))
     s.add_argument("value")
     pc = sub.add_parser("prefix-cache", help="turn prefix caching on or off")
     pc.add_argument("state", choices=("on", "off"))
@@ -84,17 +81,7 @@ def format_status(s: dict) -> str:
         f"tp {s['tp_size']}, KV {size(s.get('kv_bytes_per_rank', 0))} per rank)  "
         f"uptime {s['uptime_s']:.0f}s",
         "config    "
-        + "  ".join(
-            f"{k}={_onoff(cfg[k])}"
-            for k in (
-                "max_num_batched_tokens",
-                "max_num_seqs",
-                "long_prefill_token_threshold",
-                "enable_prefix_caching",
-                "paused",
-            )
-            if k in cfg
-        ),
+        + "  ".join(f"{k}={_onoff(cfg[k])}" for k in (*LIVE_SETTINGS, "paused") if k in cfg),
         f"kv        {kv['num_used_blocks']}/{kv['num_blocks']} blocks in use "
         f"({kv['usage_perc']:.1%}), token slots {kv['token_usage_perc']:.1%}, "
         f"cached {kv['num_cached_free_blocks']}, free {kv['num_free_blocks']}, "
@@ -114,7 +101,7 @@ def format_status(s: dict) -> str:
             rid = r["request_id"] + (f"#{r['index']}" if r["index"] else "")
             lines.append(
                 f"  {rid:<40} {r['state']:<9} {r['num_prompt_tokens']:>6} "
-                f"{r['num_output_tokens']:>5} {max(r['num_cached_tokens'], 0):>6} "
+                f"{r['num_output_tokens']:>5} {r['num_cached_tokens']:>6} "
                 f"{r['num_blocks']:>6} {r['num_preemptions']:>7}"
             )
     return "\n".join(lines)

@@ -8,89 +8,12 @@ import argparse
 import os
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
+from pagectl.engine.args import EngineArgs, add_cli_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model directory or hub id (default: the built-in model)",
-    )
-    m.add_argument(
-        "--tokenizer", default=None, help="tokenizer directory or id (default: the model's)"
-    )
-    m.add_argument(
-        "--served-model-name",
-        default=None,
-        help="name the API reports and accepts (default: the model's)",
-    )
-    m.add_argument("--dtype", choices=DTYPES, default="auto")
-    m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    m.add_argument(
-        "--tp",
-        "--tensor-parallel-size",
-        dest="tensor_parallel_size",
-        type=int,
-        default=1,
-        help="tensor-parallel ranks (default 1)",
-    )
-    m.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-    m.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    m.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    m.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
-        "else torch",
-    )
-    m.add_argument(
-        "--generation-config",
-        choices=GENERATION_CONFIG_MODES,
-        default="auto",
-        help="auto (default): a request's unset sampling fields take the model's "
-        "generation_config.json values; none: the engine's own defaults",
-    )
-
-    c = p.add_argument_group("KV cache and scheduler")
-    c.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    size = c.add_mutually_exclusive_group()
-    size.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    size.add_argument("--kv-cache-memory", default=None, help="KV memory budget, e.g. 4GiB")
-    size.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="CUDA: fraction of GPU memory for weights + KV (default 0.9)",
-    )
-    c.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step (live; default 2048 CPU / 8192 CUDA)",
-    )
-    c.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="most sequences running at once (live, up to this start-up value)",
-    )
-    c.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    c.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="prefix caching (live; default on)",
-    )
-    c.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="most prompt tokens one request prefills per step (live; 0: no cap)",
-    )
-    c.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    # The engine's flags (model, KV cache and scheduler), then the daemon's own.
+    add_cli_arguments(p)
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
@@ -150,11 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagectl.cli.generate import engine_kwargs
     from pagectl.control.runtime import loopback_only
     from pagectl.daemon.lifecycle import DaemonOptions
     from pagectl.daemon.lifecycle import run as run_daemon
-    from pagectl.engine.args import EngineArgs
     from pagectl.server.state import DEFAULT_AUTH_ALLOW, ServerSettings
 
     def fail(msg: str) -> int:
@@ -162,14 +83,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        # The flags ``pagectl generate`` shares, then the daemon's own.
-        engine_args = EngineArgs(
-            **engine_kwargs(args),
-            served_model_name=args.served_model_name,
-            gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            scheduling_policy=args.scheduling_policy,
-        )
+        engine_args = EngineArgs.from_cli(args)
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
                 loopback_only(ep)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -111,7 +110,7 @@ async def serve(opts: DaemonOptions) -> int:
         ddir.create_token()
         engine = EngineClient(
             EngineProcConfig(
-                engine_args=dataclasses.asdict(opts.engine_args),
+                engine_args=opts.engine_args,
                 engine_factory=opts.engine_factory,
                 input_endpoint="",
                 output_endpoint="",

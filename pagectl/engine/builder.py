@@ -2,7 +2,7 @@
 
 The daemon and the offline ``LLM`` both call ``build_engine``. Sizing rules:
 
-- ``max_num_batched_tokens``: the argument, else 2048 on CPU and 8192 on CUDA;
+- ``max_num_batched_tokens``: ``EngineArgs.token_budget`` (the argument, else by device);
 - KV blocks: ``num_kv_blocks``; else ``kv_cache_memory`` bytes; else on CUDA the
   ``gpu_memory_utilization`` share of the device left after the weights and a warm-up forward
   at the token budget; else on CPU 2 GiB capped at a quarter of RAM;
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from pagectl.engine.args import EngineArgs, parse_size
@@ -157,7 +158,11 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
                 )
             enforce_eager = args.enforce_eager or workers.backend != "nccl"
             workers.begin_engine(
-                {"engine_args": args.to_dict(), "model_path": path, "enforce_eager": enforce_eager}
+                {
+                    "engine_args": msgspec.to_builtins(args),
+                    "model_path": path,
+                    "enforce_eager": enforce_eager,
+                }
             )
             rank = build_rank(
                 args,
@@ -253,7 +258,7 @@ def build_rank(
     model = load_model(path, mcfg, dtype, device, tp)
     sync.barrier("loaded")
 
-    max_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+    max_tokens = args.token_budget(device.type)
     attn = model.attention_layers[0]
     per_block = kv_bytes_per_block(
         mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, dtype
@@ -294,7 +299,7 @@ def build_worker_runner(
     config: dict[str, Any], tp: TPGroup, sync: RankSync, device: torch.device, local_size: int
 ) -> ModelRunner:
     """A worker rank's runner for the engine rank 0 described in ``config``."""
-    args = EngineArgs(**config["engine_args"])
+    args = msgspec.convert(config["engine_args"], EngineArgs)
     path = config["model_path"]
     if not Path(path, "config.json").is_file():  # another node: its own copy of the model
         path = resolve_model(args.model)

@@ -14,6 +14,7 @@ Owned by the engine loop thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -40,8 +41,8 @@ class Scheduler(LiveConfigMixin):
         event_history: int = 256,
     ) -> None:
         self.config = scheduler_config
-        # Start-up value: the live running cap may not exceed it.
-        self.max_num_seqs_limit = scheduler_config.max_num_seqs
+        # The start-up values, which bound the live ones (live_config.LIVE_SETTINGS).
+        self.startup_config = dataclasses.replace(scheduler_config)
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -128,7 +129,7 @@ class Scheduler(LiveConfigMixin):
             req.finish_reason,
             req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             **kw,
         )
@@ -241,8 +242,8 @@ class Scheduler(LiveConfigMixin):
             if not kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.pop()
-            first_admission = req.num_cached_tokens < 0
-            if first_admission:
+            if not req.admitted:
+                req.admitted = True
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_queries += (
                     req.num_prompt_tokens if kv.enable_prefix_caching else 0
@@ -311,15 +312,7 @@ class Scheduler(LiveConfigMixin):
         group = self.groups[parent.request_id]
         pos = self.running.index(parent) + 1
         for i in range(1, n):
-            child = Request.__new__(Request)
-            for slot in Request.__slots__:
-                setattr(child, slot, getattr(parent, slot))
-            child.index = i
-            child.seq_id = f"{parent.request_id}#{i}"
-            child.all_token_ids = list(parent.all_token_ids)
-            child.blocks = []
-            child.block_ids = []
-            child.pending_forks = 1
+            child = parent.fork(i)
             self.kv.fork(parent, child)
             group.append(child)
             self.running.insert(pos, child)
@@ -402,7 +395,7 @@ class Scheduler(LiveConfigMixin):
                         None,
                         None,
                         req.num_prompt_tokens,
-                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                        req.num_cached_tokens,
                     )
                 )
         if finished:

@@ -26,7 +26,7 @@ class BlockMap(msgspec.Struct):
     hashed: bytes
 
 
-class RequestRow(msgspec.Struct):
+class RequestRow(msgspec.Struct, gc=False):
     """One sequence known to the scheduler (waiting or running)."""
 
     request_id: str
@@ -39,7 +39,7 @@ class RequestRow(msgspec.Struct):
     num_output_tokens: int
     # Tokens whose K/V are in the sequence's blocks.
     num_computed_tokens: int
-    # Prompt tokens served by the prefix cache at admission (-1: not admitted yet).
+    # Prompt tokens served by the prefix cache at first admission (0 until ``admitted``).
     num_cached_tokens: int
     # Blocks in the sequence's block table, and how many of them others hold too.
     num_blocks: int
@@ -49,6 +49,8 @@ class RequestRow(msgspec.Struct):
     age_s: float
     # The block table, uint32 little-endian block ids in token order.
     block_ids: bytes
+    # Whether the scheduler has admitted the sequence once (its prefix was looked up).
+    admitted: bool = True
 
 
 class Counters(msgspec.Struct):

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from pagectl.control.runtime import read_token
+from pagectl.engine.args import EngineArgs
 from pagectl.engine_process import wire
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ class Built(Protocol):
 class EngineProcConfig(msgspec.Struct, kw_only=True):
     """What the daemon tells its engine process (JSON, one line on stdin)."""
 
-    # ``EngineArgs`` fields.
-    engine_args: dict[str, Any]
+    # The engine's start-up options (validated again when decoded).
+    engine_args: EngineArgs
     # "module:function" building the engine from EngineArgs instead of
     # ``pagectl.engine.builder.build_engine`` (tests use it for fault injection).
     engine_factory: str | None = None
@@ -145,7 +146,6 @@ def engine_ready(
 
 
 def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
-    from pagectl.engine.args import EngineArgs
     from pagectl.engine_process.loop import EngineLoop, send_until_stopped
 
     ctx = zmq.Context()
@@ -167,7 +167,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token = read_token(cfg.token_file)
             if not token:
                 raise RuntimeError(f"cannot read the control token from {cfg.token_file}")
-            args = EngineArgs(**cfg.engine_args)
+            args = cfg.engine_args
             built = _load_factory(cfg.engine_factory)(args)
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
