@@ -83,6 +83,9 @@ def format_status(s: dict) -> str:
         f"engine    {s['engine_state']}  model {s['model']} ({s['device']}, {s['dtype']}, "
         f"tp {s['tp_size']}, KV {size(s.get('kv_bytes_per_rank', 0))} per rank)  "
         f"uptime {s['uptime_s']:.0f}s",
+        f"execution attention {s.get('attention_backend') or '?'}, KV cache "
+        f"{s.get('kv_cache_dtype') or '?'}, CUDA graphs "
+        + (f"up to batch {s['cuda_graph_max_batch']}" if s.get("cuda_graph_max_batch") else "off"),
         "config    "
         + "  ".join(
             f"{k}={_onoff(cfg[k])}"

@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
-        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
-        "else torch",
+        help="auto (default): on CUDA triton, else flash-attn when usable, else torch; on "
+        "CPU the compiled CPU kernel, else torch (triton on CPU: Triton's interpreter, slow)",
     )
     m.add_argument(
         "--generation-config",

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
-ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flash")
 GENERATION_CONFIG_MODES = ("auto", "none")
 _SIZE_UNITS = {
     "": 1,

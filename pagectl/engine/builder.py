@@ -210,7 +210,14 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         kv_bytes_per_block=rank.kv_bytes_per_block,
         kv_bytes_per_rank=rank.kv_bytes_per_block * rank.num_blocks,
         max_model_len=rank.max_model_len,
+        attention_backend=rank.runner.backend.name,
+        kv_cache_dtype=str(rank.runner.kv.tensor.dtype).removeprefix("torch."),
     )
+    graphs = rank.runner.cuda_graphs
+    if graphs is not None:
+        info.cuda_graph_max_batch = graphs.max_batch_size
+        info.cuda_graph_capture_s = graphs.capture_s
+        info.cuda_graph_bytes = graphs.capture_bytes
     core = EngineCore(
         scheduler,
         rank.runner,

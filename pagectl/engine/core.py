@@ -220,6 +220,9 @@ class EngineCore:
             "device": self.model_info.device,
             "tp_size": self.model_info.tp_size,
             "kv_bytes_per_rank": self.model_info.kv_bytes_per_rank,
+            "attention_backend": self.model_info.attention_backend,
+            "kv_cache_dtype": self.model_info.kv_cache_dtype,
+            "cuda_graph_max_batch": self.model_info.cuda_graph_max_batch,
             "uptime_s": round(time.time() - self.start_time, 3),
             "config": sched.live_config(),
             "kv": {

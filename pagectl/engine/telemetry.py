@@ -118,6 +118,14 @@ class ModelInfo(msgspec.Struct):
     kv_bytes_per_block: int = 0
     kv_bytes_per_rank: int = 0
     max_model_len: int = 0
+    # The attention backend the engine runs ("torch", "cpu-kernel", "triton", "flash"), and
+    # the KV cache's dtype; "" when unknown.
+    attention_backend: str = ""
+    kv_cache_dtype: str = ""
+    # Decode batch sizes captured as CUDA graphs (0: eager), what capturing took and holds.
+    cuda_graph_max_batch: int = 0
+    cuda_graph_capture_s: float = 0.0
+    cuda_graph_bytes: int = 0
 
 
 class TelemetrySnapshot(msgspec.Struct):

@@ -18,6 +18,7 @@ on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from pagectl.engine.runner.input_batch import BatchBuilder, StepArrays, StepBatc
 from pagectl.engine.runner.kv_cache import KVCachePool, kv_bytes_per_block
 from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
 from pagectl.engine.runner.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +94,23 @@ class ModelRunner:
         if device.type == "cpu":
             model.pack_for_cpu()
         kv_token_bytes = kv_bytes_per_block(1, 1, attn.num_kv_heads, attn.head_dim, dtype)
-        self.backend = select_backend(attention_backend, device, block_size, dtype, kv_token_bytes)
+        self.backend = select_backend(
+            attention_backend,
+            device,
+            block_size,
+            dtype,
+            kv_token_bytes,
+            shape=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+        )
+        if tp_rank == 0:
+            log.info(
+                "attention backend %s (asked: %s) on %s, %s, block size %d",
+                self.backend.name,
+                attention_backend,
+                device,
+                str(dtype).removeprefix("torch."),
+                block_size,
+            )
         model.bind_kv_cache(self.kv.layer_caches(), self.backend)
         model.rotary_emb.ensure_cache(max_model_len, device)
         rotary = model.rotary_emb

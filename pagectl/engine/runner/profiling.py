@@ -58,7 +58,13 @@ def measure_peak_activation(
     cache = torch.zeros(
         2, 1, block_size, attn.num_kv_heads, attn.head_dim, dtype=model.dtype, device=device
     )
-    backend = select_backend(attention_backend, device, block_size, model.dtype)
+    backend = select_backend(
+        attention_backend,
+        device,
+        block_size,
+        model.dtype,
+        shape=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+    )
     model.bind_kv_cache([cache] * len(model.attention_layers), backend)
     model.rotary_emb.ensure_cache(num_tokens, device)
     meta = dummy_prefill_metadata(num_tokens, block_size, 0, device)

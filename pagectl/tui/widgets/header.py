@@ -42,6 +42,9 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
         b = snap.blocks
         t.append(f"  {model_name(m.model)}", style="bold")
         t.append(f" · {m.dtype or '?'} · {m.device or '?'} · TP {m.tp_size}", style="#8b949e")
+        if m.attention_backend:
+            graphs = " + graphs" if m.cuda_graph_max_batch else ""
+            t.append(f" · attn {m.attention_backend}{graphs}", style="#8b949e")
         t.append("   KV ", style="#8b949e")
         t.append(f"{fmt.count(b.num_blocks)} blocks × {b.block_size} tok", style="bold")
         if m.kv_bytes_per_rank:
