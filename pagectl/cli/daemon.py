@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="name the API reports and accepts (default: the model's)",
     )
     m.add_argument("--dtype", choices=DTYPES, default="auto")
+    m.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model's, default), bfloat16, float16, float32",
+    )
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     m.add_argument(
         "--tp",

@@ -17,6 +17,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)"
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model's, default), bfloat16, float16, float32",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument(
         "--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1
@@ -92,6 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         block_size=args.block_size,

@@ -9,6 +9,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache element types; "auto" is the model's dtype. fp8 caches are not implemented.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flash")
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -61,6 +63,8 @@ class EngineArgs:
     dtype: str = "auto"
     # "auto": cuda when available, else cpu.
     device: str = "auto"
+    # KV cache element type: "auto" (the model's dtype), "bfloat16", "float16", "float32".
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16
     # KV pool size: an exact block count, or a memory budget, or (CUDA) a fraction of memory.
@@ -81,8 +85,9 @@ class EngineArgs:
     seed: int = 0
     # CPU threads for torch (default: torch's own choice).
     num_threads: int | None = None
-    # Attention backend: "auto", "torch", "cpu-kernel" (compiled on first use) or "flash"
-    # (CUDA with flash-attn importable); "auto" picks flash, else the CPU kernel, else torch.
+    # Attention backend: "auto", "torch", "cpu-kernel" (compiled on first use), "triton"
+    # (CUDA; CPU through Triton's interpreter) or "flash" (CUDA with flash-attn importable);
+    # "auto" picks triton, else flash, else torch on CUDA; the CPU kernel, else torch on CPU.
     attention_backend: str = "auto"
     # Default sampling parameters: "auto" takes them from the model's generation_config.json
     # (temperature, top_p, top_k, min_p when it sets do_sample; repetition_penalty;
@@ -92,6 +97,12 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (fp8 KV caches are not supported yet)" if "fp8" in self.kv_cache_dtype else ""
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}{hint}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.tensor_parallel_size < 1:

@@ -223,6 +223,7 @@ class EngineCore:
             "attention_backend": self.model_info.attention_backend,
             "kv_cache_dtype": self.model_info.kv_cache_dtype,
             "cuda_graph_max_batch": self.model_info.cuda_graph_max_batch,
+            "memory_profile": dict(self.model_info.memory_profile),
             "uptime_s": round(time.time() - self.start_time, 3),
             "config": sched.live_config(),
             "kv": {

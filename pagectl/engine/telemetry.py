@@ -126,6 +126,9 @@ class ModelInfo(msgspec.Struct):
     cuda_graph_max_batch: int = 0
     cuda_graph_capture_s: float = 0.0
     cuda_graph_bytes: int = 0
+    # CUDA, KV pool sized from memory: total_bytes, gpu_memory_utilization,
+    # used_after_load_bytes, peak_activation_bytes, profiled_tokens, kv_budget_bytes.
+    memory_profile: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class TelemetrySnapshot(msgspec.Struct):

@@ -51,7 +51,16 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write the step's new K/V into ``kv_cache``, then attend: ``[T, num_heads, head_dim]``."""
+        """Write the step's new K/V into ``kv_cache``, then attend: ``[T, num_heads, head_dim]``.
+
+        A cache of another dtype than the model's (``--kv-cache-dtype``): K/V are stored in
+        the cache's dtype and attention computes in it, the output cast back to ``q``'s.
+        """
+        cache_dtype = kv_cache.dtype
+        if q.dtype != cache_dtype:
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
+            return self.attend(q.to(cache_dtype), k, v, kv_cache, meta, scale).to(q.dtype)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         return self.attend(q, k, v, kv_cache, meta, scale)
 
