@@ -62,8 +62,8 @@ def load_kernels(device: torch.device) -> ModuleType:
         import triton  # noqa: F401
 
         from pagectl.engine.attention import triton_kernels
-    except ImportError as e:
-        raise ValueError(f"triton is not importable ({e})") from None
+    except Exception as e:  # missing, or a broken install: either way unusable
+        raise ValueError(f"triton is not importable ({type(e).__name__}: {e})") from None
     interpreted = type(triton_kernels.paged_attention_kernel).__name__ == "InterpretedFunction"
     if interpreted != (device.type == "cpu"):
         mode = "interpreter" if interpreted else "GPU"

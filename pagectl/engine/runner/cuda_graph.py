@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,9 +37,33 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
+class CudaGraphApi:
+    """What capturing needs from ``torch.cuda`` (tests substitute a CPU fake)."""
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: Any, pool: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record ``fn`` into ``graph`` (sharing ``pool``); returns its static output."""
+        with torch.cuda.graph(graph, pool=pool):
+            return fn()
+
+    def pool(self, graph: Any) -> Any:
+        return graph.pool()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def free_memory(self, device: torch.device) -> int:
+        return int(torch.cuda.mem_get_info(device)[0])
+
+
 class DecodeCudaGraphs:
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch_size: int, api: CudaGraphApi | None = None
+    ) -> None:
         self.runner = runner
+        self.api = api or CudaGraphApi()
         self.sizes = bucket_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
         self.buffers = DecodeGraphBuffers.allocate(
@@ -48,7 +73,7 @@ class DecodeCudaGraphs:
             runner.kv.scratch_block,
             runner.device,
         )
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.capture_bytes = 0
 
@@ -59,23 +84,27 @@ class DecodeCudaGraphs:
         backend = self.runner.backend
         dev = self.runner.device
         buf = self.buffers
+        api = self.api
         t0 = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        free_before, _ = torch.cuda.mem_get_info(dev)
+        api.synchronize(dev)
+        free_before = api.free_memory(dev)
         pool = None
         for n in reversed(self.sizes):
             meta = buf.metadata(n)
             backend.prepare_graph(meta)
-            model(buf.input_ids[:n], buf.positions[:n], meta)  # warm-up (and compile) outside
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(buf.input_ids[:n], buf.positions[:n], meta)
+
+            def body(n: int = n, meta: Any = meta) -> torch.Tensor:
+                return model(buf.input_ids[:n], buf.positions[:n], meta)
+
+            body()  # warm-up (and kernel compilation) outside the graph
+            api.synchronize(dev)
+            graph = api.new_graph()
+            out = api.capture(graph, pool, body)
             if pool is None:
-                pool = graph.pool()
+                pool = api.pool(graph)
             self._graphs[n] = (graph, out)
-        torch.cuda.synchronize(dev)
-        free_after, _ = torch.cuda.mem_get_info(dev)
+        api.synchronize(dev)
+        free_after = api.free_memory(dev)
         self.capture_s = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - free_after)
         log.info(
