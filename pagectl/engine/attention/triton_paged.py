@@ -147,6 +147,9 @@ class TritonPagedAttention(AttentionBackend):
         self.prefill_block_m = max(64, self.g_pad)
         self.block_q = self.prefill_block_m // self.g_pad
         self.tile_n = 32 if self.head_dim_pad >= 256 else 64
+        # Launch options: software pipelining of the K/V tile loads keeps num_stages copies
+        # in shared memory; float32 tiles are twice as large, so they pipeline less.
+        self.launch_opts = dict(num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
         if target_programs is None:
             if device.type == "cuda":
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -309,6 +312,7 @@ class TritonPagedAttention(AttentionBackend):
                 NUM_SPLITS=splits,
                 IEEE=self.ieee,
                 DOT_F32=self.dot_f32,
+                **self.launch_opts,
             )
             if splits > 1:
                 self.launch(
@@ -349,6 +353,7 @@ class TritonPagedAttention(AttentionBackend):
                 NUM_SPLITS=1,
                 IEEE=self.ieee,
                 DOT_F32=self.dot_f32,
+                **self.launch_opts,
             )
         return out
 
