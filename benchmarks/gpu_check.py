@@ -318,6 +318,11 @@ def models_dir(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        import msgspec  # noqa: F401  (the engine's one dependency a bare GPU image may lack)
+    except ImportError:
+        log("msgspec is not importable: carry its wheel (docs/PERFORMANCE.md, section 6)")
+        return 2
     budget = Budget(args.time_budget_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
