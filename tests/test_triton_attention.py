@@ -318,6 +318,7 @@ def engine_tokens(path, warm_prompt=None, **kw):
             engine_greedy(built.core, [warm_prompt], 1, prefix="warm")
         out = engine_greedy(built.core, PROMPTS, MAX_NEW)
         assert built.core.scheduler.kv.pool.num_used_blocks == 0
+        out["preemptions"] = built.core.scheduler.counters.preemptions
         return out
     finally:
         built.shutdown()
@@ -341,12 +342,14 @@ def test_engine_with_triton_backend_matches_transformers(models):
     [
         ("qwen3", dict(block_size=32, num_kv_blocks=24)),
         ("qwen2", dict(block_size=64, num_kv_blocks=12, max_num_batched_tokens=37)),
-        ("qwen3", dict(block_size=16, num_kv_blocks=9, max_num_batched_tokens=32)),  # preempts
+        ("qwen3", dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64)),  # preempts
     ],
 )
 def test_engine_with_triton_backend_matches_transformers_more(models, name, kw):
     path, reference = models(name)
-    assert engine_tokens(path, **kw)["tokens"] == reference
+    out = engine_tokens(path, **kw)
+    assert out["tokens"] == reference
+    assert (out["preemptions"] > 0) == (kw["num_kv_blocks"] == 16)
 
 
 class FakeGraphApi:
