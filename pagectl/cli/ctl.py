@@ -73,6 +73,17 @@ def _onoff(v: object) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
+def _memory_profile(mp: dict | None) -> str:
+    if not mp:
+        return ""
+    return (
+        f", GPU {mp['gpu_memory_utilization']:.0%} of {size(int(mp['total_bytes']))}: "
+        f"{size(int(mp['used_after_load_bytes']))} in use after loading, "
+        f"{size(int(mp['peak_activation_bytes']))} peak activation, "
+        f"{size(int(mp['kv_budget_bytes']))} for KV"
+    )
+
+
 def format_status(s: dict) -> str:
     kv, c, cfg = s["kv"], s["counters"], s["config"]
     q, h = c["prefix_queries"], c["prefix_hits"]
@@ -80,6 +91,10 @@ def format_status(s: dict) -> str:
         f"engine    {s['engine_state']}  model {s['model']} ({s['device']}, {s['dtype']}, "
         f"tp {s['tp_size']}, KV {size(s.get('kv_bytes_per_rank', 0))} per rank)  "
         f"uptime {s['uptime_s']:.0f}s",
+        f"execution attention {s.get('attention_backend') or '?'}, KV cache "
+        f"{s.get('kv_cache_dtype') or '?'}, CUDA graphs "
+        + (f"up to batch {s['cuda_graph_max_batch']}" if s.get("cuda_graph_max_batch") else "off")
+        + _memory_profile(s.get("memory_profile")),
         "config    "
         + "  ".join(f"{k}={_onoff(cfg[k])}" for k in (*LIVE_SETTINGS, "paused") if k in cfg),
         f"kv        {kv['num_used_blocks']}/{kv['num_blocks']} blocks in use "

@@ -18,8 +18,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache element types; "auto" is the model's dtype. fp8 caches are not implemented.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
-ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flash")
 GENERATION_CONFIG_MODES = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Token budget per step when none is given, by device type.
@@ -112,6 +114,10 @@ class EngineArgs:
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
     # "auto": cuda when available, else cpu.
     device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    # KV cache element type; "auto": the model's dtype. fp8 is refused (not implemented).
+    kv_cache_dtype: str = option(
+        "auto", "KV cache dtype (auto: the model's)", choices=KV_CACHE_DTYPES, group=CACHE_GROUP
+    )
     # Ranks the model is split over (this process is rank 0).
     tensor_parallel_size: int = option(1, "tensor-parallel ranks", type=int, aliases=("--tp",))
     # Token slots per KV block.
@@ -169,11 +175,11 @@ class EngineArgs:
     enforce_eager: bool = option(False, "CUDA: no CUDA graphs", type=bool)
     # CPU threads for torch; None: torch's own choice (a share of the cores under TP).
     num_threads: int | None = option(None, "CPU threads for torch", type=int)
-    # "auto" picks flash (CUDA with flash-attn importable), else the CPU kernel (compiled on
-    # first use), else torch.
+    # "auto" picks triton, else flash, else torch on CUDA; the CPU kernel (compiled on first
+    # use), else torch on CPU. "triton" runs on CPU through Triton's interpreter.
     attention_backend: str = option(
         "auto",
-        "auto: flash-attn on CUDA when usable, else the compiled CPU kernel, else torch",
+        "auto: triton on CUDA (else flash-attn, else torch); the compiled kernel on CPU",
         choices=ATTENTION_BACKENDS,
     )
     # Default sampling parameters: "auto" takes them from the model's generation_config.json
@@ -189,6 +195,12 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (fp8 KV caches are not supported yet)" if "fp8" in self.kv_cache_dtype else ""
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}{hint}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -31,7 +31,13 @@ from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.core import EngineCore
 from pagectl.engine.distributed.sync import NO_SYNC, RankSync
 from pagectl.engine.distributed.workers import TPWorkers, default_cpu_threads
-from pagectl.engine.loader import check_supported, load_model, resolve_dtype, resolve_model_path
+from pagectl.engine.loader import (
+    check_supported,
+    load_model,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_model_path,
+)
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.parallel import SINGLE, TPGroup, check_tp_split
 from pagectl.engine.runner.kv_cache import cuda_kv_bytes, default_cpu_kv_bytes, kv_bytes_per_block
@@ -118,6 +124,8 @@ class RankBuild:
     num_blocks: int
     max_num_batched_tokens: int
     max_model_len: int
+    # CUDA pool sized from memory: the profile's figures (bytes; see _num_kv_blocks).
+    memory_profile: dict[str, float] = field(default_factory=dict)
 
 
 def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> BuiltEngine:
@@ -215,7 +223,15 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         kv_bytes_per_block=rank.kv_bytes_per_block,
         kv_bytes_per_rank=rank.kv_bytes_per_block * rank.num_blocks,
         max_model_len=rank.max_model_len,
+        attention_backend=rank.runner.backend.name,
+        kv_cache_dtype=str(rank.runner.kv.tensor.dtype).removeprefix("torch."),
+        memory_profile=rank.memory_profile,
     )
+    graphs = rank.runner.cuda_graphs
+    if graphs is not None:
+        info.cuda_graph_max_batch = graphs.max_batch_size
+        info.cuda_graph_capture_s = graphs.capture_s
+        info.cuda_graph_bytes = graphs.capture_bytes
     core = EngineCore(
         scheduler,
         rank.runner,
@@ -255,17 +271,20 @@ def build_rank(
     at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready)."""
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     model = load_model(path, mcfg, dtype, device, tp)
     sync.barrier("loaded")
 
     max_tokens = args.token_budget(device.type)
     attn = model.attention_layers[0]
     per_block = kv_bytes_per_block(
-        mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, dtype
+        mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, kv_dtype
     )
     # Every rank holds the same block ids: the pool is as large as the smallest rank allows.
+    profile: dict[str, float] = {}
     num_blocks = sync.agree_min(
-        "num_kv_blocks", _num_kv_blocks(args, model, per_block, max_tokens, device, local_size)
+        "num_kv_blocks",
+        _num_kv_blocks(args, model, per_block, max_tokens, device, local_size, kv_dtype, profile),
     )
     capacity = num_blocks * args.block_size
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
@@ -281,6 +300,7 @@ def build_rank(
         mcfg,
         device=device,
         dtype=dtype,
+        kv_cache_dtype=kv_dtype,
         block_size=args.block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
@@ -292,7 +312,7 @@ def build_rank(
         tp_driver=tp_driver,
     )
     sync.barrier("ready")
-    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len)
+    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len, profile)
 
 
 def build_worker_runner(
@@ -326,7 +346,13 @@ def _num_kv_blocks(
     max_tokens: int,
     device: torch.device,
     local_size: int = 1,
+    kv_dtype: torch.dtype | None = None,
+    profile: dict[str, float] | None = None,
 ) -> int:
+    """The pool's block count on this rank; on CUDA without an explicit size, the memory
+    profile's figures go into ``profile`` and the log (as vLLM: the ``utilization`` share
+    of the device, less what is in use after loading, less the peak a forward at the token
+    budget adds; CUDA graphs, captured later, come out of the remaining headroom)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     if args.kv_cache_memory is not None:
@@ -336,9 +362,36 @@ def _num_kv_blocks(
 
         free, total = torch.cuda.mem_get_info(device)
         peak = measure_peak_activation(
-            model, max_tokens, args.max_num_seqs, args.block_size, args.attention_backend, device
+            model,
+            max_tokens,
+            args.max_num_seqs,
+            args.block_size,
+            args.attention_backend,
+            device,
+            kv_dtype,
         )
         budget = cuda_kv_bytes(device, args.gpu_memory_utilization, total - free, peak)
+        figures = dict(
+            total_bytes=total,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            used_after_load_bytes=total - free,
+            peak_activation_bytes=peak,
+            profiled_tokens=max_tokens,
+            kv_budget_bytes=budget,
+        )
+        if profile is not None:
+            profile.update(figures)
+        gib = 2**30
+        log.info(
+            "GPU memory: %.2f GiB total x %.2f utilization - %.2f GiB in use after loading - "
+            "%.2f GiB peak activation (a %d-token forward) = %.2f GiB for the KV cache",
+            total / gib,
+            args.gpu_memory_utilization,
+            (total - free) / gib,
+            peak / gib,
+            max_tokens,
+            budget / gib,
+        )
     else:
         # The CPU default is a share of this machine's RAM: split among its ranks.
         budget = default_cpu_kv_bytes() // local_size

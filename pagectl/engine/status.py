@@ -40,6 +40,10 @@ def status_view(snap: TelemetrySnapshot) -> dict[str, Any]:
         "device": snap.model.device,
         "tp_size": snap.model.tp_size,
         "kv_bytes_per_rank": snap.model.kv_bytes_per_rank,
+        "attention_backend": snap.model.attention_backend,
+        "kv_cache_dtype": snap.model.kv_cache_dtype,
+        "cuda_graph_max_batch": snap.model.cuda_graph_max_batch,
+        "memory_profile": dict(snap.model.memory_profile),
         "uptime_s": round(snap.time - snap.start_time, 3),
         "config": dict(snap.config),
         "kv": {

@@ -120,6 +120,17 @@ class ModelInfo(msgspec.Struct):
     kv_bytes_per_block: int = 0
     kv_bytes_per_rank: int = 0
     max_model_len: int = 0
+    # The attention backend the engine runs ("torch", "cpu-kernel", "triton", "flash"), and
+    # the KV cache's dtype; "" when unknown.
+    attention_backend: str = ""
+    kv_cache_dtype: str = ""
+    # Decode batch sizes captured as CUDA graphs (0: eager), what capturing took and holds.
+    cuda_graph_max_batch: int = 0
+    cuda_graph_capture_s: float = 0.0
+    cuda_graph_bytes: int = 0
+    # CUDA, KV pool sized from memory: total_bytes, gpu_memory_utilization,
+    # used_after_load_bytes, peak_activation_bytes, profiled_tokens, kv_budget_bytes.
+    memory_profile: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class TelemetrySnapshot(msgspec.Struct):

@@ -42,6 +42,9 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
         b = snap.blocks
         t.append(f"  {model_name(m.model)}", style="bold")
         t.append(f" · {m.dtype or '?'} · {m.device or '?'} · TP {m.tp_size}", style="#8b949e")
+        if m.attention_backend:
+            graphs = " + graphs" if m.cuda_graph_max_batch else ""
+            t.append(f" · attn {m.attention_backend}{graphs}", style="#8b949e")
         t.append("   KV ", style="#8b949e")
         t.append(f"{fmt.count(b.num_blocks)} blocks × {b.block_size} tok", style="bold")
         if m.kv_bytes_per_rank:
@@ -49,6 +52,14 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
             t.append(f" = {fmt.size(total)}", style="bold")
             if m.tp_size > 1:
                 t.append(f" ({fmt.size(m.kv_bytes_per_rank)}/rank)", style="#8b949e")
+        mp = m.memory_profile
+        if mp:
+            t.append(
+                f" (GPU {mp.get('gpu_memory_utilization', 0):.0%} of "
+                f"{fmt.size(int(mp.get('total_bytes', 0)))}, peak act "
+                f"{fmt.size(int(mp.get('peak_activation_bytes', 0)))})",
+                style="#8b949e",
+            )
         t.append("   up ", style="#8b949e")
         t.append(fmt.duration(snap.time - snap.start_time))
         t.append("   ")
