@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from pagectl.engine.outputs import EngineRequest
 from pagectl.engine_process import wire
+from pagectl.engine_process.frames import MAX_OUTPUT_FRAME_BYTES, FrameError, decode_frame
 from pagectl.engine_process.main import EngineProcConfig
 
 # How often the engine process is polled for an unexpected exit.
@@ -252,8 +253,8 @@ class EngineClient(OutputRouter):
         while True:
             frame = await self._pull.recv()
             try:
-                msg = wire.decode_from_engine(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                msg = decode_frame(wire.from_engine_decoder, frame, MAX_OUTPUT_FRAME_BYTES)
+            except FrameError:
                 continue
             if isinstance(msg, wire.OutputBatch):
                 for out in msg.outputs:

@@ -23,6 +23,11 @@ import zmq
 
 from pagectl.control.runtime import read_token
 from pagectl.engine_process import wire
+from pagectl.engine_process.frames import (
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_INPUT_FRAME_BYTES,
+    limit_socket,
+)
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -126,7 +131,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     out.setsockopt(zmq.SNDTIMEO, 500)
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(cfg.output_endpoint)
-    inp = ctx.socket(zmq.PULL)
+    inp = limit_socket(ctx.socket(zmq.PULL), MAX_INPUT_FRAME_BYTES)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(cfg.input_endpoint)
 
@@ -146,7 +151,8 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
             pub.setsockopt(zmq.LINGER, 0)
             telemetry_ep = _bind(pub, cfg.telemetry_endpoint)
-            router = ctx.socket(zmq.ROUTER)
+            # Admin frames past the limit disconnect their sender (libzmq drops them).
+            router = limit_socket(ctx.socket(zmq.ROUTER), MAX_CONTROL_FRAME_BYTES)
             router.setsockopt(zmq.LINGER, 0)
             control_ep = _bind(router, cfg.control_endpoint)
         except Exception as e:  # report any start-up failure to the daemon
