@@ -202,10 +202,13 @@ class EngineClient(OutputRouter):
     # -- requests -----------------------------------------------------------------------
 
     def _send(self, msg: msgspec.Struct) -> None:
+        self._send_frame(wire.encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         if self._push is None:
             raise EngineDeadError("the engine is not running")
         try:
-            self._push.send(wire.encode(msg), zmq.NOBLOCK)
+            self._push.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"the engine is not reachable: {e}") from None
 
@@ -220,10 +223,14 @@ class EngineClient(OutputRouter):
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         rid = request.request_id
+        try:  # encoded before it is routed: a value msgpack cannot carry leaves no route
+            frame = wire.encode(wire.SubmitRequest(request))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
         self._add_route(rid, queue)
         try:
-            self._send(wire.SubmitRequest(request))
-        except EngineDeadError:
+            self._send_frame(frame)
+        except BaseException:
             self.release([rid])
             raise
 

@@ -1,4 +1,5 @@
-"""Reading a request's body: content type and size checked, then strict JSON."""
+"""Reading a request's body: content type and size checked, then strict JSON whose integers
+fit int64 and whose strings are valid text (``field_checks.check_body``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from pagectl.server.errors import APIError
+from pagectl.server.field_checks import check_body
 from pagectl.server.json_fields import parse_json
 from pagectl.server.state import STATE
 
@@ -26,7 +28,9 @@ async def read_body(request: web.Request) -> dict[str, Any]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large(limit) from None
-    return parse_json(raw)
+    body = parse_json(raw)
+    check_body(body, raw)  # int64 range and valid text, for every field
+    return body
 
 
 def too_large(limit: int) -> APIError:

@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from pagectl.engine_process.client import EngineDeadError, EngineError, RequestRejected
+from pagectl.server.admission import admitted
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import (
@@ -264,7 +265,6 @@ async def _generate(
     request: web.Request, spec: GenerationSpec, fmt_cls: type[_Format]
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    state.check_admission()
     gen = Generation(
         state.engine,
         state.model.tokenizer,
@@ -273,19 +273,16 @@ async def _generate(
         state.metrics,
     )
     fmt = fmt_cls(state, spec, gen)
-    state.begin()
-    try:
-        gen.submit()
-        if spec.stream:
-            return await _stream(request, fmt)
-        await gen.run_to_end()
-        return _json_response(fmt.full())
-    except EngineError as e:
-        raise _api_error(e) from None
-    finally:
-        # Also on client disconnect (the handler is cancelled): the engine frees the blocks.
-        gen.close()
-        state.end()
+    # The slot is released, and the engine freed, whatever happens (also on disconnect).
+    with admitted(state, gen):
+        try:
+            gen.submit()
+            if spec.stream:
+                return await _stream(request, fmt)
+            await gen.run_to_end()
+            return _json_response(fmt.full())
+        except EngineError as e:
+            raise _api_error(e) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

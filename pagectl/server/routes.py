@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagectl import __version__
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError, bad_request
-from pagectl.server.json_fields import get_bool
+from pagectl.server.json_fields import get_bool, is_int
 from pagectl.server.openai_api import chat_completions, completions
 from pagectl.server.state import STATE
 from pagectl.server.validation import (
@@ -88,8 +88,8 @@ async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [int]}`` -> ``{"prompt": text}``."""
     facts, tokenizer, body = await _tokenizer_request(request)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise bad_request("tokens must be a list of token ids", "tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+        raise bad_request("tokens must be a list of token ids (integers)", "tokens")
     ids = parse_prompts(tokens, facts)[0].token_ids if tokens else []
     return web.json_response({"prompt": tokenizer.decode(ids)})
 

@@ -316,10 +316,35 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+# Arguments of ``tokenizer.apply_chat_template`` itself: in chat_template_kwargs they would
+# change what the call returns (tensors, a dict, padding) instead of feeding the template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def render_chat(messages: list[dict], facts: ModelFacts, body: dict) -> Prompt:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the "
+            "template call, not template variables)",
+            "chat_template_kwargs",
+        )
     kwargs = dict(kwargs)
     kwargs["add_generation_prompt"] = get_bool(body, "add_generation_prompt", True)
     try:
