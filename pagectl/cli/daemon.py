@@ -120,6 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request body in bytes (413 beyond; default 8 MiB)",
     )
     s.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        help="largest text prompt (UTF-8 bytes, a request's prompts or messages together), "
+        "refused with 400 before tokenization (default 2 MiB)",
+    )
+    s.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -190,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
+        max_prompt_bytes=args.max_prompt_bytes,
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
     )
     opts = DaemonOptions(

@@ -74,6 +74,16 @@ def _same_path(a: str, b: str) -> bool:
         return False
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters (0: no tokenizer or no vocabulary)."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without get_vocab: no context pre-check
+        return 0
+
+
 def _load_tokenizer(path: str) -> Any:
     from pagectl.engine.tokenizer import load_tokenizer
 
@@ -108,7 +118,13 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
     state.facts = ModelFacts(
-        name, ready.vocab_size, ready.max_model_len, tokenizer, dict(ready.sampling_defaults)
+        name,
+        ready.vocab_size,
+        ready.max_model_len,
+        tokenizer,
+        dict(ready.sampling_defaults),
+        max_prompt_bytes=state.settings.max_prompt_bytes,
+        max_chars_per_token=await loop.run_in_executor(None, max_chars_per_token, tokenizer),
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
@@ -134,6 +150,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        state.offload.shutdown()
         await state.engine.shutdown()
 
 

@@ -287,11 +287,15 @@ async def _generate(
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_completion(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation tokenizes: off the event loop (server/offload.py).
+    spec = await state.offload.run(parse_completion, body, state.model)
     return await _generate(request, spec, _CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_chat(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation renders the chat template and tokenizes: off the event loop.
+    spec = await state.offload.run(parse_chat, body, state.model)
     return await _generate(request, spec, _ChatFormat)

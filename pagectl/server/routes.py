@@ -16,9 +16,11 @@ from pagectl.server.state import STATE
 from pagectl.server.validation import (
     ModelFacts,
     check_model,
+    check_prompt_size,
     parse_messages,
     parse_prompts,
     render_chat,
+    text_bytes,
 )
 
 
@@ -68,17 +70,21 @@ async def _tokenizer_request(request: web.Request) -> tuple[ModelFacts, Any, dic
     return facts, facts.tokenizer, body
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
-    facts, tokenizer, body = await _tokenizer_request(request)
+def _tokenize(facts: ModelFacts, tokenizer: Any, body: dict) -> list[int]:
     if "messages" in body:
-        ids = render_chat(parse_messages(body["messages"]), facts, body).token_ids
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad_request("prompt must be a string", "prompt")
-        add_special = get_bool(body, "add_special_tokens", True)
-        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+        return render_chat(parse_messages(body["messages"]), facts, body, context=False).token_ids
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string", "prompt")
+    add_special = get_bool(body, "add_special_tokens", True)
+    check_prompt_size(text_bytes(prompt), facts, "prompt", context=False)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids (tokenized off the loop)."""
+    facts, tokenizer, body = await _tokenizer_request(request)
+    ids = await request.app[STATE].offload.run(_tokenize, facts, tokenizer, body)
     return web.json_response(
         {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
     )
@@ -91,7 +97,8 @@ async def detokenize(request: web.Request) -> web.Response:
     if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise bad_request("tokens must be a list of token ids (integers)", "tokens")
     ids = parse_prompts(tokens, facts)[0].token_ids if tokens else []
-    return web.json_response({"prompt": tokenizer.decode(ids)})
+    text = await request.app[STATE].offload.run(tokenizer.decode, ids)
+    return web.json_response({"prompt": text})
 
 
 async def metrics(request: web.Request) -> web.Response:
