@@ -142,7 +142,9 @@ def test_an_engine_invariant_failure_is_fatal_and_reported():
         h.close()
 
 
-def fake_daemon(tmp_path_factory, *extra: str, env: dict | None = None) -> DaemonProcess:
+def fake_daemon(
+    tmp_path_factory, *extra: str, env: dict | None = None, nofile: int | None = None
+) -> DaemonProcess:
     """A daemon over the fake model with no tokenizer (starts in seconds: no transformers)."""
     empty = tmp_path_factory.mktemp("no-tokenizer")
     return DaemonProcess(
@@ -157,6 +159,7 @@ def fake_daemon(tmp_path_factory, *extra: str, env: dict | None = None) -> Daemo
             *extra,
         ],
         env=env,
+        nofile=nofile,
     )
 
 

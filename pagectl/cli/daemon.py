@@ -127,6 +127,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "refused with 400 before tokenization (default 2 MiB)",
     )
     s.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send a complete request head (default 10)",
+    )
+    s.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to receive a request body, 408 past it (default 60)",
+    )
+    s.add_argument(
+        "--http-keepalive-timeout",
+        type=float,
+        default=15.0,
+        help="seconds an idle keep-alive connection stays open (default 15)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="most open HTTP connections; past it the oldest idle one is closed (default: "
+        "half the open-file limit, at most 4096)",
+    )
+    s.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -162,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     from pagectl.daemon.lifecycle import DaemonOptions
     from pagectl.daemon.lifecycle import run as run_daemon
     from pagectl.engine.args import EngineArgs
+    from pagectl.server.connections import ConnectionLimits
     from pagectl.server.state import DEFAULT_AUTH_ALLOW, ServerSettings
 
     def fail(msg: str) -> int:
@@ -184,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
         return fail("--max-num-queued-requests must be >= 0")
+    if args.max_connections is not None and args.max_connections < 1:
+        return fail("--max-connections must be >= 1")
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keepalive_timeout"):
+        if getattr(args, flag) < 0:
+            return fail(f"--{flag.replace('_', '-')} must be >= 0 (0: no timeout)")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
     # Where the tokenizer will come from, so the API server can load it while the engine
@@ -198,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
         max_prompt_bytes=args.max_prompt_bytes,
+        connection_limits=ConnectionLimits(
+            header_timeout=args.http_header_timeout,
+            body_timeout=args.http_body_timeout,
+            keepalive_timeout=args.http_keepalive_timeout,
+            max_connections=args.max_connections,
+        ),
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
     )
     opts = DaemonOptions(

@@ -32,6 +32,7 @@ from pagectl.engine.args import EngineArgs
 from pagectl.engine_process.client import EngineClient, EngineStartError
 from pagectl.engine_process.main import EngineProcConfig
 from pagectl.server.app import create_app
+from pagectl.server.connections import GuardedAppRunner
 from pagectl.server.state import STATE, ServerSettings
 
 log = logging.getLogger("pagectl.daemon")
@@ -124,8 +125,12 @@ async def serve(opts: DaemonOptions) -> int:
             output_endpoint=ddir.endpoint("engine-out"),
         )
         app = create_app(opts.server, engine)
-        runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
+        runner = GuardedAppRunner(
+            app,
+            opts.server.connection_limits,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=ABORT_GRACE_S,
         )
         # A signal during start-up (the engine may take minutes to load) stops cleanly.
         loop = asyncio.get_running_loop()

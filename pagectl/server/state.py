@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from pagectl.engine_process import wire
+from pagectl.server.connections import ConnectionLimits
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
 from pagectl.server.metrics import Metrics
@@ -46,6 +47,8 @@ class ServerSettings:
     # Largest text prompt in UTF-8 bytes (all of one request's prompts or messages); past
     # it: 400, before any tokenization.
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    # Timeouts and the connection cap (server/connections.py).
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 @dataclass
