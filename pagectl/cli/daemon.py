@@ -98,7 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` (default: $PAGECTL_API_KEY, else none)",
+        help="require `Authorization: Bearer KEY`; visible to local users in the process "
+        "list, prefer --api-key-file or $PAGECTL_API_KEY",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (default: $PAGECTL_API_KEY, "
+        "else no key)",
     )
     s.add_argument(
         "--auth-allow",
@@ -176,6 +184,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="control ROUTER endpoint (ipc:// or loopback tcp://; default ipc in runtime dir)",
     )
     a.add_argument(
+        "--telemetry-public",
+        action="store_true",
+        help="allow a telemetry endpoint any local user can read (loopback tcp:// or "
+        "abstract ipc://@): telemetry carries no token",
+    )
+    a.add_argument(
         "--telemetry-hz", type=float, default=10.0, help="snapshots per second (default 10)"
     )
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
@@ -221,7 +235,30 @@ def run(args: argparse.Namespace) -> int:
     # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
     builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
     hint = args.tokenizer or args.model or builtin
-    api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
+    tel = args.admin_telemetry_endpoint or ""
+    if (tel.startswith("tcp://") or tel.startswith("ipc://@")) and not args.telemetry_public:
+        return fail(
+            f"telemetry endpoint {tel} is readable by every local user (telemetry has no "
+            "token); use an ipc:// path, or pass --telemetry-public to accept that"
+        )
+    if args.api_key and args.api_key_file:
+        return fail("give --api-key or --api-key-file, not both")
+    api_key = args.api_key
+    if api_key:
+        print(
+            "pagectl daemon: warning: --api-key is visible to every local user in the "
+            "process list; use --api-key-file or $PAGECTL_API_KEY",
+            file=sys.stderr,
+        )
+    elif args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            return fail(f"cannot read --api-key-file: {e}")
+        if not api_key:
+            return fail(f"--api-key-file {args.api_key_file} holds no key")
+    api_key = api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_keys=[api_key] if api_key else [],

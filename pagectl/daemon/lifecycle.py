@@ -1,7 +1,9 @@
 """``pagectl daemon``: run the API server, the engine process and the admin channel.
 
 Life cycle:
-1. Create this daemon's 0700 directory under the runtime dir and the 0600 control token.
+1. Remove the directories of dead daemons from the runtime dir, create this daemon's 0700
+   directory there and the 0600 control token (an unsafe runtime dir is refused, never
+   chmodded: ``control.runtime.runtime_base``).
 2. Start the app: its cleanup_ctx spawns the engine process and waits for the handshake.
 3. Listen on HTTP, then write the runtime file (so finders only see a daemon that serves).
 4. Until SIGTERM/SIGINT: serve. If the engine dies, in-flight requests get an error,
@@ -103,7 +105,11 @@ class _Lifecycle:
 
 async def serve(opts: DaemonOptions) -> int:
     """Run the daemon until it is stopped; returns the exit status."""
-    ddir = DaemonDir(opts.runtime_dir)
+    try:
+        ddir = DaemonDir(opts.runtime_dir)
+    except OSError as e:  # a runtime dir we refuse to use (see control.runtime.runtime_base)
+        _say(str(e))
+        return 2
     try:
         tel = opts.telemetry_endpoint or ddir.endpoint("telemetry")
         ctl = opts.control_endpoint or ddir.endpoint("control")
