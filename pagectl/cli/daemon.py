@@ -160,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "half the open-file limit, at most 4096)",
     )
     s.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health answers 503 when the engine has sent nothing for this many seconds "
+        "(default 30; 0: off; keep it above the longest step)",
+    )
+    s.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -266,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
         max_prompt_bytes=args.max_prompt_bytes,
+        health_stall_timeout=args.health_stall_timeout,
         connection_limits=ConnectionLimits(
             header_timeout=args.http_header_timeout,
             body_timeout=args.http_body_timeout,

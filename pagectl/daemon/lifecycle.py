@@ -10,7 +10,8 @@ Life cycle:
    /health answers 503 for a short grace period, and the daemon exits 1.
 5. On SIGTERM/SIGINT: drain. New requests get 503; in-flight ones run to completion for at
    most ``drain_timeout`` seconds, then are aborted; the engine is shut down and the daemon
-   exits 0. A second signal skips the rest of the drain.
+   exits 0. A second signal skips the rest of the drain: every in-flight request ends with
+   a 503 ``shutting_down`` error (a stream: an error event, then ``[DONE]``).
 Every exit path removes the runtime directory and leaves no child process.
 """
 
@@ -31,7 +32,7 @@ from aiohttp import web
 from pagectl.control.protocol import RuntimeInfo
 from pagectl.control.runtime import DaemonDir, loopback_only
 from pagectl.engine.args import EngineArgs
-from pagectl.engine_process.client import EngineClient, EngineStartError
+from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
 from pagectl.engine_process.main import EngineProcConfig
 from pagectl.server.app import create_app
 from pagectl.server.connections import GuardedAppRunner
@@ -75,14 +76,24 @@ class _Lifecycle:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._drain_task: asyncio.Task | None = None
+        self._stop_task: asyncio.Task | None = None
 
     def on_signal(self, signame: str) -> None:
         if self._drain_task is None:
             _say(f"{signame} received: draining (a second signal stops at once)")
             self._drain_task = asyncio.create_task(self._drain())
-        else:
-            _say(f"{signame} received again: stopping now")
-            self.stop.set()
+        elif self._stop_task is None:
+            _say(f"{signame} received again: stopping now (in-flight requests get an error)")
+            self._stop_task = asyncio.create_task(self._stop_now())
+
+    async def _stop_now(self) -> None:
+        """End every in-flight request with an error (streams get an error event and
+        [DONE]), give their handlers a moment to send it, then stop."""
+        self.engine.abort_all()
+        self.engine.fail_all(ServerStoppingError("the server is stopping"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.state.idle.wait(), ABORT_GRACE_S)
+        self.stop.set()
 
     def on_engine_dead(self, reason: str) -> None:
         _say(f"engine died: {reason}; exiting")

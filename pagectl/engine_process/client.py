@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -41,6 +42,10 @@ class EngineStartError(EngineError):
 
 class RequestRejected(EngineError):
     """The engine refused one request (its own validation); nothing else is affected."""
+
+
+class ServerStoppingError(EngineError):
+    """The daemon is stopping now (a second SIGTERM): in-flight requests end with this."""
 
 
 class OutputRouter:
@@ -78,6 +83,10 @@ class OutputRouter:
             self._unstarted.discard(request_id)
             q.put_nowait(item)
 
+    def fail_all(self, err: EngineError) -> None:
+        """End every routed request with ``err`` (their handlers answer and release)."""
+        self._fail_all(err)
+
     def _fail_all(self, err: EngineError) -> None:
         # One error per HTTP request, even when it owns several engine requests.
         for q in {id(q): q for q in self._routes.values()}.values():
@@ -108,6 +117,9 @@ class EngineClient(OutputRouter):
         self.stats: wire.EngineStats | None = None
         # Why the engine is dead, or None while it lives.
         self.dead: str | None = None
+        # time.monotonic() of the last frame from the engine (stats arrive at the telemetry
+        # rate between steps): /health reports a stalled engine from it.
+        self.last_heard = 0.0
         self.on_dead: list[Callable[[str], None]] = []
         self._closing = False
         self._tasks: list[asyncio.Task] = []
@@ -148,6 +160,7 @@ class EngineClient(OutputRouter):
                 msg = wire.decode_from_engine(await self._pull.recv())
                 if isinstance(msg, wire.EngineReady):
                     self.ready = msg
+                    self.last_heard = time.monotonic()
                     break
                 if isinstance(msg, wire.EngineStartFailed):
                     await self._reap(5.0)
@@ -259,6 +272,7 @@ class EngineClient(OutputRouter):
         deliver = self._deliver
         while True:
             frame = await self._pull.recv()
+            self.last_heard = time.monotonic()
             try:
                 msg = decode_frame(wire.from_engine_decoder, frame, MAX_OUTPUT_FRAME_BYTES)
             except FrameError:

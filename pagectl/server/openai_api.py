@@ -15,7 +15,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pagectl.engine_process.client import EngineDeadError, EngineError, RequestRejected
+from pagectl.engine_process.client import (
+    EngineDeadError,
+    EngineError,
+    RequestRejected,
+    ServerStoppingError,
+)
 from pagectl.server.admission import admitted
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError
@@ -38,6 +43,8 @@ def _api_error(e: EngineError) -> APIError:
         # Refused by the engine's own checks, or unable to run at all (e.g. it needs more KV
         # blocks than the pool has): a problem of this request, not of the server.
         return APIError(400, str(e))
+    if isinstance(e, ServerStoppingError):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", code="engine_dead")
     return APIError(500, str(e), code="engine_error")

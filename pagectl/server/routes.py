@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -46,12 +47,24 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while serving; 503 while draining or when the engine is dead."""
+    """200 while serving; 503 while draining, when the engine is dead, or when it has sent
+    nothing for --health-stall-timeout seconds (frozen, stopped, or in an endless step)."""
     state = request.app[STATE]
     if state.engine.dead is not None:
         raise APIError(503, f"the engine is not running: {state.engine.dead}", code="engine_dead")
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
+    limit = state.settings.health_stall_timeout
+    heard = getattr(state.engine, "last_heard", None)  # None: an in-process engine
+    if limit > 0 and heard:
+        silent = time.monotonic() - heard
+        if silent > limit:
+            raise APIError(
+                503,
+                f"the engine has not answered for {silent:.1f}s (limit {limit:g}s, "
+                "--health-stall-timeout)",
+                code="engine_stalled",
+            )
     return web.Response(status=200)
 
 

@@ -47,6 +47,10 @@ class ServerSettings:
     # Largest text prompt in UTF-8 bytes (all of one request's prompts or messages); past
     # it: 400, before any tokenization.
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    # Seconds without any message from the engine after which /health answers 503 (0: off).
+    # The engine reports at the telemetry rate between steps, so this must exceed the
+    # longest step.
+    health_stall_timeout: float = 30.0
     # Timeouts and the connection cap (server/connections.py).
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
