@@ -29,3 +29,21 @@ def admitted(state: Any, gen: Any) -> Iterator[None]:
             # Every id, submitted or not: a submit that raised half-way leaves no route.
             state.engine.release([run.request_id for run in gen.runs])
             state.end()
+
+
+def register_admission_gauges(registry: Any, state: Any) -> None:
+    """``/metrics`` gauges of the counts ``admitted`` keeps: HTTP generation requests in
+    flight, and engine requests submitted with no output yet (what
+    --max-num-queued-requests limits). Both are 0 on an idle server; anything else leaked."""
+    from prometheus_client import Gauge
+
+    Gauge(
+        "pagectl:http_requests_active",
+        "HTTP generation requests being served (admission slots taken).",
+        registry=registry,
+    ).set_function(lambda: state.num_active)
+    Gauge(
+        "pagectl:engine_requests_unstarted",
+        "Engine requests submitted that have had no output yet (the queue limit's count).",
+        registry=registry,
+    ).set_function(lambda: state.engine.num_unstarted)

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from pagectl.server import routes
+from pagectl.server.admission import register_admission_gauges
 from pagectl.server.body import too_large
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
@@ -162,6 +163,7 @@ def create_app(settings: ServerSettings, engine: Any) -> web.Application:
     state = ServerState(settings, engine, Metrics(lambda: engine.stats))
     state.idle.set()
     app[STATE] = state
+    register_admission_gauges(state.metrics.registry, state)
     app.cleanup_ctx.append(_engine_ctx)
     routes.add_routes(app)
     return app
