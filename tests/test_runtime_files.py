@@ -152,3 +152,22 @@ def test_telemetry_any_local_user_could_read_needs_telemetry_public(endpoint):
         timeout=60,
     )
     assert out.returncode == 2 and "--telemetry-public" in out.stderr
+
+
+def test_api_key_file_protects_the_api(tmp_path_factory, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("k-123\n")
+    os.chmod(key_file, 0o600)
+    d = fake_daemon(tmp_path_factory, "--api-key-file", str(key_file))
+    d.start()
+    try:
+        import requests
+
+        url = d.base_url + "/v1/models"
+        assert requests.get(url, timeout=10).status_code == 401
+        ok = requests.get(url, headers={"Authorization": "Bearer k-123"}, timeout=10)
+        assert ok.status_code == 200
+        with open(f"/proc/{d.proc.pid}/cmdline", "rb") as f:
+            assert b"k-123" not in f.read()
+    finally:
+        d.kill()
