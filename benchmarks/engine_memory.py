@@ -52,7 +52,7 @@ def main() -> int:
     print("round  rss_mb  py_heap_mb  py_objects  used_blocks", flush=True)
     for r in range(args.rounds):
         prompts = [
-            [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 300))]
+            [rng.randrange(3, 384) for _ in range(rng.randrange(4, 300))]
             for _ in range(args.requests)
         ]
         params = [
