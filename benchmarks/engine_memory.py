@@ -13,6 +13,7 @@ arenas) rather than a Python leak; a growing heap names its top allocation sites
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import random
@@ -36,7 +37,14 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--trim",
+        action="store_true",
+        help="call glibc malloc_trim(0) after each round and report RSS after it too "
+        "(memory freed but kept by the allocator comes back)",
+    )
     args = ap.parse_args()
+    libc = ctypes.CDLL("libc.so.6") if args.trim else None
     model = args.model
     if model is None:
         from tiny_models import build_tiny_model
@@ -49,7 +57,7 @@ def main() -> int:
     tracemalloc.start(10)
     first = None
     rows = []
-    print("round  rss_mb  py_heap_mb  py_objects  used_blocks", flush=True)
+    print("round  rss_mb  after_trim  py_heap_mb  py_objects  used_blocks", flush=True)
     for r in range(args.rounds):
         prompts = [
             [rng.randrange(3, 384) for _ in range(rng.randrange(4, 300))]
@@ -62,9 +70,13 @@ def main() -> int:
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         gc.collect()
         heap, _ = tracemalloc.get_traced_memory()
+        rss = proc.memory_info().rss
+        if libc is not None:
+            libc.malloc_trim(0)
         row = {
             "round": r,
-            "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+            "rss_mb": round(rss / 2**20, 1),
+            "rss_after_trim_mb": round(proc.memory_info().rss / 2**20, 1) if libc else None,
             "py_heap_mb": round(heap / 2**20, 2),
             "py_objects": len(gc.get_objects()),
             "used_blocks": llm.core.scheduler.kv.pool.num_used_blocks,
@@ -73,7 +85,8 @@ def main() -> int:
         if r == 1:
             first = tracemalloc.take_snapshot()
         print(
-            f"{r:5d} {row['rss_mb']:7.1f} {row['py_heap_mb']:11.2f} {row['py_objects']:11d} "
+            f"{r:5d} {row['rss_mb']:7.1f} {row['rss_after_trim_mb'] or 0:11.1f} "
+            f"{row['py_heap_mb']:11.2f} {row['py_objects']:11d} "
             f"{row['used_blocks']:12d}",
             flush=True,
         )
