@@ -21,7 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` (default: $PAGECTL_API_KEY, else none)",
+        help="require `Authorization: Bearer KEY`; visible to local users in the process "
+        "list, prefer --api-key-file or $PAGECTL_API_KEY",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (default: $PAGECTL_API_KEY, "
+        "else no key)",
     )
     s.add_argument(
         "--auth-allow",
@@ -41,6 +49,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=8 * 1024 * 1024,
         help="largest request body in bytes (413 beyond; default 8 MiB)",
+    )
+    s.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        help="largest text prompt (UTF-8 bytes, a request's prompts or messages together), "
+        "refused with 400 before tokenization (default 2 MiB)",
+    )
+    s.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send a complete request head (default 10)",
+    )
+    s.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to receive a request body, 408 past it (default 60)",
+    )
+    s.add_argument(
+        "--http-keepalive-timeout",
+        type=float,
+        default=15.0,
+        help="seconds an idle keep-alive connection stays open (default 15)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="most open HTTP connections; past it the oldest idle one is closed (default: "
+        "half the open-file limit, at most 4096)",
+    )
+    s.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health answers 503 when the engine has sent nothing for this many seconds "
+        "(default 30; 0: off; keep it above the longest step)",
     )
     s.add_argument(
         "--drain-timeout",
@@ -67,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="control ROUTER endpoint (ipc:// or loopback tcp://; default ipc in runtime dir)",
     )
     a.add_argument(
+        "--telemetry-public",
+        action="store_true",
+        help="allow a telemetry endpoint any local user can read (loopback tcp:// or "
+        "abstract ipc://@): telemetry carries no token",
+    )
+    a.add_argument(
         "--telemetry-hz", type=float, default=10.0, help="snapshots per second (default 10)"
     )
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
@@ -76,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from pagectl.control.runtime import loopback_only
     from pagectl.daemon.lifecycle import DaemonOptions
     from pagectl.daemon.lifecycle import run as run_daemon
+    from pagectl.server.connections import ConnectionLimits
     from pagectl.server.state import DEFAULT_AUTH_ALLOW, ServerSettings
 
     def fail(msg: str) -> int:
@@ -91,19 +145,55 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
         return fail("--max-num-queued-requests must be >= 0")
+    if args.max_connections is not None and args.max_connections < 1:
+        return fail("--max-connections must be >= 1")
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keepalive_timeout"):
+        if getattr(args, flag) < 0:
+            return fail(f"--{flag.replace('_', '-')} must be >= 0 (0: no timeout)")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
     # Where the tokenizer will come from, so the API server can load it while the engine
     # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
     builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
     hint = args.tokenizer or args.model or builtin
-    api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
+    tel = args.admin_telemetry_endpoint or ""
+    if (tel.startswith("tcp://") or tel.startswith("ipc://@")) and not args.telemetry_public:
+        return fail(
+            f"telemetry endpoint {tel} is readable by every local user (telemetry has no "
+            "token); use an ipc:// path, or pass --telemetry-public to accept that"
+        )
+    if args.api_key and args.api_key_file:
+        return fail("give --api-key or --api-key-file, not both")
+    api_key = args.api_key
+    if api_key:
+        print(
+            "pagectl daemon: warning: --api-key is visible to every local user in the "
+            "process list; use --api-key-file or $PAGECTL_API_KEY",
+            file=sys.stderr,
+        )
+    elif args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            return fail(f"cannot read --api-key-file: {e}")
+        if not api_key:
+            return fail(f"--api-key-file {args.api_key_file} holds no key")
+    api_key = api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_keys=[api_key] if api_key else [],
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
+        max_prompt_bytes=args.max_prompt_bytes,
+        health_stall_timeout=args.health_stall_timeout,
+        connection_limits=ConnectionLimits(
+            header_timeout=args.http_header_timeout,
+            body_timeout=args.http_body_timeout,
+            keepalive_timeout=args.http_keepalive_timeout,
+            max_connections=args.max_connections,
+        ),
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
     )
     opts = DaemonOptions(

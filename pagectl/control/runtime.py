@@ -1,6 +1,7 @@
 """The runtime directory: where a running daemon leaves its sockets, token and runtime file.
 
-Layout (every directory 0700, every file 0600)::
+Layout (every directory the daemon creates 0700, every file 0600; see ``runtime_base`` for
+which existing directories it accepts -- it never chmods one)::
 
     <runtime dir>/                 $PAGECTL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/pagectl,
                                    else the user's cache dir (~/.cache/pagectl/run)
@@ -21,6 +22,7 @@ import ipaddress
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -31,6 +33,8 @@ from pagectl.control.protocol import RuntimeInfo
 
 RUNTIME_FILE = "runtime.json"
 TOKEN_FILE = "control.token"
+# Where the sockets went when the daemon's directory was too long for a socket name.
+SOCKET_DIR_FILE = "socket-dir"
 # sun_path holds 108 bytes on Linux (104 on macOS); longer socket paths move to a private
 # short directory from ``tempfile.mkdtemp`` (0700 as well).
 _MAX_IPC_PATH = 100
@@ -52,13 +56,85 @@ def default_runtime_dir() -> Path:
     return Path(cache) / "pagectl" / "run"
 
 
-def _private_dir(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user; refusing to use it")
-    os.chmod(path, 0o700)
+def runtime_base(path: Path) -> Path:
+    """The directory daemons create their own directories in, made safe to use.
+
+    Never changes the mode of a directory it did not create:
+    - missing: created 0700;
+    - owned by another user (other than root): refused;
+    - writable by group or others with the sticky bit (``/tmp``): a private subdirectory
+      ``pagectl-<uid>`` in it is used instead (checked the same way);
+    - writable by group or others without the sticky bit: refused (anyone could replace
+      our files there);
+    - otherwise used as it is (what goes inside is 0700 / 0600 anyway).
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return path
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"runtime dir {path} is not a directory")
+    if st.st_uid not in (os.getuid(), 0):
+        raise PermissionError(f"runtime dir {path} belongs to another user; refusing to use it")
+    if st.st_mode & 0o022:
+        if st.st_mode & stat.S_ISVTX:
+            return runtime_base(path / f"pagectl-{os.getuid()}")
+        raise PermissionError(
+            f"runtime dir {path} is writable by other users and has no sticky bit; refusing "
+            "to use it (choose a private directory)"
+        )
     return path
+
+
+def _fresh_private_dir(path: Path) -> Path:
+    """``path`` created 0700 by us now; a leftover of ours (a dead daemon that had our pid)
+    is removed first, anything else there is refused."""
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(f"{path} exists and is not a directory of ours; refusing")
+        _remove_daemon_dir(path)
+    path.mkdir(mode=0o700)
+    return path
+
+
+def _remove_daemon_dir(path: Path) -> None:
+    """Remove one daemon's directory and the short socket directory it recorded."""
+    with contextlib.suppress(OSError):
+        sock_dir = Path((path / SOCKET_DIR_FILE).read_text().strip())
+        st = os.lstat(sock_dir)
+        if sock_dir.name.startswith("pagectl-") and st.st_uid == os.getuid():
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale(runtime_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the directories of dead daemons (killed before they could clean up, leaving
+    their token and sockets) from a runtime directory; returns what was removed.
+
+    Only directories named by a pid, owned by this user, whose pid is not alive are touched.
+    Shared by ``pagectl daemon`` at start and by the finders (``pagectl ls``).
+    """
+    base = Path(runtime_dir).expanduser() if runtime_dir else default_runtime_dir()
+    removed: list[Path] = []
+    try:
+        children = list(base.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if not child.name.isdigit() or int(child.name) == os.getpid():
+            continue
+        try:
+            st = os.lstat(child)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not pid_alive(int(child.name)):
+            _remove_daemon_dir(child)
+            removed.append(child)
+    return removed
 
 
 def write_private_file(path: Path, data: bytes) -> None:
@@ -94,8 +170,9 @@ class DaemonDir:
     """This daemon's private directory under the runtime dir; removed by ``remove()``."""
 
     def __init__(self, runtime_dir: str | os.PathLike | None = None, pid: int | None = None):
-        self.runtime_dir = _private_dir(Path(runtime_dir) if runtime_dir else default_runtime_dir())
-        self.path = _private_dir(self.runtime_dir / str(pid or os.getpid()))
+        self.runtime_dir = runtime_base(Path(runtime_dir) if runtime_dir else default_runtime_dir())
+        remove_stale(self.runtime_dir)  # what SIGKILLed daemons left (tokens, sockets)
+        self.path = _fresh_private_dir(self.runtime_dir / str(pid or os.getpid()))
         self.token_file = self.path / TOKEN_FILE
         self.runtime_file = self.path / RUNTIME_FILE
         # Where sockets go when ``path`` is too long for a socket name.
@@ -107,6 +184,8 @@ class DaemonDir:
         if len(str(sock)) > _MAX_IPC_PATH:
             if self._socket_dir is None:
                 self._socket_dir = Path(tempfile.mkdtemp(prefix="pagectl-"))
+                # Recorded, so that remove_stale finds it if this daemon is killed.
+                write_private_file(self.path / SOCKET_DIR_FILE, str(self._socket_dir).encode())
             sock = self._socket_dir / f"{name}.sock"
         return f"ipc://{sock}"
 

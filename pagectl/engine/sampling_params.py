@@ -31,9 +31,13 @@ def _finite(param: str, value: float, what: str | None = None) -> float:
     name = what or param
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamsError(param, f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
+    try:
+        f = float(value)  # an int beyond float range raises OverflowError
+    except OverflowError:
+        raise SamplingParamsError(param, f"{name} is out of range") from None
+    if not math.isfinite(f):
         raise SamplingParamsError(param, f"{name} must be finite, got {value}")
-    return float(value)
+    return f
 
 
 def _int(

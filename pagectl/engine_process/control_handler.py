@@ -15,6 +15,12 @@ import msgspec
 from pagectl.control.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
 from pagectl.engine.core import EngineCore
+from pagectl.engine_process.frames import (
+    MAX_CONTROL_FRAME_BYTES,
+    FrameError,
+    control_request_id,
+    decode_frame,
+)
 
 _command_decoder = msgspec.msgpack.Decoder(Command)
 # The values of the "cmd" tag the daemon understands.
@@ -39,31 +45,34 @@ def _error(req_id: int, kind: str, message: str) -> bytes:
     return encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
 
 
+class _CommandName(msgspec.Struct):
+    """Only the tag of a command that did not decode."""
+
+    cmd: str
+
+
+_command_name_decoder = msgspec.msgpack.Decoder(_CommandName)
+
+
 def _command_name(raw: msgspec.Raw) -> str | None:
     try:
-        obj = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+        return decode_frame(_command_name_decoder, raw, MAX_CONTROL_FRAME_BYTES).cmd
+    except FrameError:
         return None
-    name = obj.get("cmd") if isinstance(obj, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def _guess_id(frame: bytes) -> int:
-    """The request id of a malformed request, when it can be read at all (else 0)."""
-    try:
-        obj = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return 0
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
 
 
 def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, bool]:
-    """Serve one request frame. Returns (reply frame, whether engine state may have changed)."""
+    """Serve one request frame. Returns (reply frame, whether engine state may have changed).
+
+    Every decode is bounded (``frames.decode_frame``): a frame that is too big, malformed or
+    nested too deeply gets a ``bad_request`` reply carrying its id when the id can be read.
+    """
     try:
-        env = _envelope_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return _error(_guess_id(frame), "bad_request", f"malformed control request: {e}"), False
+        env = decode_frame(_envelope_decoder, frame, MAX_CONTROL_FRAME_BYTES)
+    except FrameError as e:
+        return _error(
+            control_request_id(frame), "bad_request", f"malformed control request: {e}"
+        ), False
     if not hmac.compare_digest(env.token.encode(), token.encode()):
         return _error(env.id, "unauthorized", "wrong or missing control token"), False
     if env.version != PROTOCOL_VERSION:
@@ -73,8 +82,8 @@ def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, b
             f"protocol version {env.version} is not supported (daemon speaks {PROTOCOL_VERSION})",
         ), False
     try:
-        cmd = _command_decoder.decode(env.command)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        cmd = decode_frame(_command_decoder, env.command, MAX_CONTROL_FRAME_BYTES)
+    except FrameError as e:
         name = _command_name(env.command)
         if name is not None and name not in COMMAND_NAMES:
             known = ", ".join(sorted(COMMAND_NAMES))

@@ -5,8 +5,11 @@ control requests, run one ``EngineCore.step()`` when there is work, and publish 
 when due. Control commands are therefore applied between steps, never inside one.
 
 Invariants:
-- Nothing a client or the API server sends can raise out of the loop: a bad request fails
-  alone (``RequestFailed``), a bad control request gets an error reply.
+- Nothing a client or the API server sends can raise out of the loop: every frame is
+  decoded with a size bound and a typed decoder (``frames.decode_frame``); a bad request
+  fails alone (``RequestFailed``), a bad control request gets an error reply, and an
+  unexpected exception while handling one message is logged with its traceback and costs
+  that message only. Only an ``AssertionError`` (an engine invariant that broke) is fatal.
 - Publishing never blocks: PUB drops when its small high-water mark is reached, and every
   send uses NOBLOCK. A slow or dead console cannot slow the engine.
 - An exception inside ``step()`` is fatal: the engine reports ``dead`` (to the API server
@@ -18,10 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
-import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -30,6 +34,14 @@ from pagectl.engine.core import EngineCore
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 from pagectl.engine_process import wire
 from pagectl.engine_process.control_handler import handle_control
+from pagectl.engine_process.frames import (
+    MAX_INPUT_FRAME_BYTES,
+    FrameError,
+    decode_frame,
+    submit_request_id,
+)
+
+log = logging.getLogger("pagectl.engine")
 
 # At most this many messages of each kind are taken per turn, so a flood of requests or
 # control messages cannot starve the step.
@@ -124,14 +136,22 @@ class EngineLoop:
 
     def _handle_input(self, frame: bytes) -> None:
         try:
-            msg = wire.decode_to_engine(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # only our own API server writes here; a garbled frame is dropped
+            msg = decode_frame(wire.to_engine_decoder, frame, MAX_INPUT_FRAME_BYTES)
+        except FrameError as e:
+            # Only our own API server writes here, so this is a bug or a foreign writer:
+            # logged, answered when it names a request, never raised into the loop.
+            rid = submit_request_id(frame)
+            log.warning("dropped a malformed input frame (%d bytes): %s", len(frame), e)
+            if rid is not None:
+                self._send(wire.RequestFailed(rid, f"malformed request frame: {e}"))
+            return
         core = self.core
         if isinstance(msg, wire.SubmitRequest):
             rid = msg.request.request_id
             try:
                 core.add_engine_request(msg.request)
+            except AssertionError:
+                raise  # an invariant of the engine broke: fatal (see run)
             except Exception as e:  # any refusal fails this request only
                 self._send(wire.RequestFailed(rid, str(e) or type(e).__name__))
         elif isinstance(msg, wire.AbortRequests):
@@ -145,13 +165,24 @@ class EngineLoop:
         elif isinstance(msg, wire.Shutdown):
             self._shutdown = True
 
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """Run the handling of one message; an unexpected exception is logged with its
+        traceback and costs that message only. ``AssertionError`` (an engine invariant that
+        broke) propagates: the loop dies on it."""
+        try:
+            fn(*args)
+        except AssertionError:
+            raise
+        except Exception:
+            log.exception("handling %s failed; the engine goes on", what)
+
     def _drain_inputs(self) -> None:
         for _ in range(_MAX_MESSAGES_PER_TURN):
             try:
                 frame = self.input_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle_input(frame)
+            self._guarded("an input message", self._handle_input, frame)
             if self._shutdown:
                 return
 
@@ -166,13 +197,15 @@ class EngineLoop:
                 return
             if len(frames) != 2:
                 continue  # a DEALER sends exactly one frame; ROUTER adds the identity
-            ident, frame = frames
-            reply, changed = handle_control(self.core, self.token, frame)
-            # A client that left, or whose queue is full, loses its reply.
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart([ident, reply], zmq.NOBLOCK)
-            if changed:
-                self._next_publish = 0.0  # consoles see the change at once
+            self._guarded("a control request", self._control_one, sock, *frames)
+
+    def _control_one(self, sock: zmq.Socket, ident: bytes, frame: bytes) -> None:
+        reply, changed = handle_control(self.core, self.token, frame)
+        # A client that left, or whose queue is full, loses its reply.
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart([ident, reply], zmq.NOBLOCK)
+        if changed:
+            self._next_publish = 0.0  # consoles see the change at once
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -192,9 +225,12 @@ class EngineLoop:
             if not core.has_unfinished():
                 wait = self._next_publish - time.monotonic()
                 timeout_ms = math.ceil(min(max(wait, 0.0), 0.1) * 1000)
-            if self.poller.poll(timeout_ms):
-                self._drain_inputs()
-                self._serve_control()
+            try:
+                if self.poller.poll(timeout_ms):
+                    self._drain_inputs()
+                    self._serve_control()
+            except AssertionError as e:  # an engine invariant broke: fatal
+                return self._die(e, "engine invariant failed")
             if self._shutdown:
                 break
             if core.has_unfinished():
@@ -207,12 +243,15 @@ class EngineLoop:
                 if not core.has_unfinished():
                     self._next_publish = 0.0  # idle now: /metrics and consoles see it at once
             if time.monotonic() >= self._next_publish:
-                self.publish()
+                try:
+                    self.publish()
+                except Exception as e:  # a snapshot that cannot be built is an engine bug
+                    return self._die(e, "telemetry failed")
         return 0
 
     def _die(self, exc: BaseException, what: str = "engine step failed") -> int:
         message = f"{what}: {type(exc).__name__}: {exc}"
-        traceback.print_exc()
+        log.error("%s", message, exc_info=exc)
         self.core.state_override = "dead"
         self.core.add_event("error", message)
         with contextlib.suppress(Exception):  # best effort while dying

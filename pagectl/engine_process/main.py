@@ -22,9 +22,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import zmq
 
+from pagectl.control import ipc
 from pagectl.control.runtime import read_token
 from pagectl.engine.args import EngineArgs
 from pagectl.engine_process import wire
+from pagectl.engine_process.frames import (
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_INPUT_FRAME_BYTES,
+    limit_socket,
+)
 
 if TYPE_CHECKING:
     from pagectl.engine.core import EngineCore
@@ -107,12 +113,13 @@ def _load_factory(spec: str | None):
     return getattr(importlib.import_module(module), name)
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket file of a crashed daemon with our pid
+def _bind(sock: zmq.Socket, endpoint: str, claims: list[ipc.IpcClaim]) -> str:
+    """Bind; an ipc:// path must be free or hold a dead socket of ours (``control.ipc``)."""
+    ipc.claim(endpoint)
     sock.bind(endpoint)
+    c = ipc.bound(endpoint)
+    if c is not None:
+        claims.append(c)  # removed at exit if still ours
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     return bound.decode() if isinstance(bound, bytes) else str(bound)
 
@@ -153,7 +160,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     out.setsockopt(zmq.SNDTIMEO, 500)
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(cfg.output_endpoint)
-    inp = ctx.socket(zmq.PULL)
+    inp = limit_socket(ctx.socket(zmq.PULL), MAX_INPUT_FRAME_BYTES)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(cfg.input_endpoint)
 
@@ -162,6 +169,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
 
     built = None
     pub = router = None
+    claims: list[ipc.IpcClaim] = []
     try:
         try:
             token = read_token(cfg.token_file)
@@ -172,10 +180,11 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
             pub.setsockopt(zmq.LINGER, 0)
-            telemetry_ep = _bind(pub, cfg.telemetry_endpoint)
-            router = ctx.socket(zmq.ROUTER)
+            telemetry_ep = _bind(pub, cfg.telemetry_endpoint, claims)
+            # Admin frames past the limit disconnect their sender (libzmq drops them).
+            router = limit_socket(ctx.socket(zmq.ROUTER), MAX_CONTROL_FRAME_BYTES)
             router.setsockopt(zmq.LINGER, 0)
-            control_ep = _bind(router, cfg.control_endpoint)
+            control_ep = _bind(router, cfg.control_endpoint, claims)
         except Exception as e:  # report any start-up failure to the daemon
             traceback.print_exc()
             send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))
@@ -208,6 +217,8 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
         for s in (pub, router, inp):
             if s is not None:
                 s.close(linger=0)
+        for c in claims:
+            ipc.release(c)
         # Flush the last messages to a live parent; drop them for a dead one.
         out.close(linger=0 if stop.is_set() else 2000)
         ctx.term()

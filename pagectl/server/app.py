@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pagectl.engine_process.client import EngineClientProtocol
 from pagectl.server import routes
+from pagectl.server.admission import register_admission_gauges
 from pagectl.server.body import too_large
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
@@ -75,6 +76,16 @@ def _same_path(a: str, b: str) -> bool:
         return False
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters (0: no tokenizer or no vocabulary)."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without get_vocab: no context pre-check
+        return 0
+
+
 def _load_tokenizer(path: str) -> Any:
     from pagectl.engine.tokenizer import load_tokenizer
 
@@ -109,7 +120,13 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
     state.facts = ModelFacts(
-        name, ready.vocab_size, ready.max_model_len, tokenizer, dict(ready.sampling_defaults)
+        name,
+        ready.vocab_size,
+        ready.max_model_len,
+        tokenizer,
+        dict(ready.sampling_defaults),
+        max_prompt_bytes=state.settings.max_prompt_bytes,
+        max_chars_per_token=await loop.run_in_executor(None, max_chars_per_token, tokenizer),
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
@@ -135,6 +152,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        state.offload.shutdown()
         await state.engine.shutdown()
 
 
@@ -146,6 +164,7 @@ def create_app(settings: ServerSettings, engine: EngineClientProtocol) -> web.Ap
     state = ServerState(settings, engine, Metrics(lambda: engine.stats))
     state.idle.set()
     app[STATE] = state
+    register_admission_gauges(state.metrics.registry, state)
     app.cleanup_ctx.append(_engine_ctx)
     routes.add_routes(app)
     return app

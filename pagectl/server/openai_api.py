@@ -15,7 +15,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pagectl.engine_process.client import EngineDeadError, EngineError, RequestRejected
+from pagectl.engine_process.client import (
+    EngineDeadError,
+    EngineError,
+    RequestRejected,
+    ServerStoppingError,
+)
+from pagectl.server.admission import admitted
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import (
@@ -37,6 +43,8 @@ def _api_error(e: EngineError) -> APIError:
         # Refused by the engine's own checks, or unable to run at all (e.g. it needs more KV
         # blocks than the pool has): a problem of this request, not of the server.
         return APIError(400, str(e))
+    if isinstance(e, ServerStoppingError):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", code="engine_dead")
     return APIError(500, str(e), code="engine_error")
@@ -264,7 +272,6 @@ async def _generate(
     request: web.Request, spec: GenerationSpec, fmt_cls: type[_Format]
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    state.check_admission()
     gen = Generation(
         state.engine,
         state.model.tokenizer,
@@ -273,28 +280,29 @@ async def _generate(
         state.metrics,
     )
     fmt = fmt_cls(state, spec, gen)
-    state.begin()
-    try:
-        gen.submit()
-        if spec.stream:
-            return await _stream(request, fmt)
-        await gen.run_to_end()
-        return _json_response(fmt.full())
-    except EngineError as e:
-        raise _api_error(e) from None
-    finally:
-        # Also on client disconnect (the handler is cancelled): the engine frees the blocks.
-        gen.close()
-        state.end()
+    # The slot is released, and the engine freed, whatever happens (also on disconnect).
+    with admitted(state, gen):
+        try:
+            gen.submit()
+            if spec.stream:
+                return await _stream(request, fmt)
+            await gen.run_to_end()
+            return _json_response(fmt.full())
+        except EngineError as e:
+            raise _api_error(e) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_completion(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation tokenizes: off the event loop (server/offload.py).
+    spec = await state.offload.run(parse_completion, body, state.model)
     return await _generate(request, spec, _CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_chat(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation renders the chat template and tokenizes: off the event loop.
+    spec = await state.offload.run(parse_chat, body, state.model)
     return await _generate(request, spec, _ChatFormat)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -10,15 +11,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagectl import __version__
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError, bad_request
-from pagectl.server.json_fields import get_bool
+from pagectl.server.json_fields import get_bool, is_int
 from pagectl.server.openai_api import chat_completions, completions
 from pagectl.server.state import STATE
 from pagectl.server.validation import (
     ModelFacts,
     check_model,
+    check_prompt_size,
     parse_messages,
     parse_prompts,
     render_chat,
+    text_bytes,
 )
 
 
@@ -44,12 +47,24 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while serving; 503 while draining or when the engine is dead."""
+    """200 while serving; 503 while draining, when the engine is dead, or when it has sent
+    nothing for --health-stall-timeout seconds (frozen, stopped, or in an endless step)."""
     state = request.app[STATE]
     if state.engine.dead is not None:
         raise APIError(503, f"the engine is not running: {state.engine.dead}", code="engine_dead")
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
+    limit = state.settings.health_stall_timeout
+    heard = getattr(state.engine, "last_heard", None)  # None: an in-process engine
+    if limit > 0 and heard:
+        silent = time.monotonic() - heard
+        if silent > limit:
+            raise APIError(
+                503,
+                f"the engine has not answered for {silent:.1f}s (limit {limit:g}s, "
+                "--health-stall-timeout)",
+                code="engine_stalled",
+            )
     return web.Response(status=200)
 
 
@@ -68,17 +83,21 @@ async def _tokenizer_request(request: web.Request) -> tuple[ModelFacts, Any, dic
     return facts, facts.tokenizer, body
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids."""
-    facts, tokenizer, body = await _tokenizer_request(request)
+def _tokenize(facts: ModelFacts, tokenizer: Any, body: dict) -> list[int]:
     if "messages" in body:
-        ids = render_chat(parse_messages(body["messages"]), facts, body).token_ids
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad_request("prompt must be a string", "prompt")
-        add_special = get_bool(body, "add_special_tokens", True)
-        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+        return render_chat(parse_messages(body["messages"]), facts, body, context=False).token_ids
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string", "prompt")
+    add_special = get_bool(body, "add_special_tokens", True)
+    check_prompt_size(text_bytes(prompt), facts, "prompt", context=False)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> token ids (tokenized off the loop)."""
+    facts, tokenizer, body = await _tokenizer_request(request)
+    ids = await request.app[STATE].offload.run(_tokenize, facts, tokenizer, body)
     return web.json_response(
         {"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids}
     )
@@ -88,10 +107,11 @@ async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [int]}`` -> ``{"prompt": text}``."""
     facts, tokenizer, body = await _tokenizer_request(request)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise bad_request("tokens must be a list of token ids", "tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+        raise bad_request("tokens must be a list of token ids (integers)", "tokens")
     ids = parse_prompts(tokens, facts)[0].token_ids if tokens else []
-    return web.json_response({"prompt": tokenizer.decode(ids)})
+    text = await request.app[STATE].offload.run(tokenizer.decode, ids)
+    return web.json_response({"prompt": text})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -34,6 +34,13 @@ class ModelFacts:
     # Default sampling parameters (from the model's generation_config.json): a field the
     # request leaves out takes its value from here, then from SamplingParams' own default.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Largest text prompt (UTF-8 bytes, all prompts or messages of a request together)
+    # accepted for tokenization (--max-prompt-bytes); checked before any work.
+    max_prompt_bytes: int = 2 * 1024 * 1024
+    # Most characters one token of this tokenizer stands for (its longest vocabulary entry;
+    # 0: unknown). A text longer than max_model_len * this * 4 cannot fit the context, so
+    # it is refused before it is tokenized (the 4 covers normalizers that merge characters).
+    max_chars_per_token: int = 0
 
 
 @dataclass
@@ -213,12 +220,36 @@ def _token_prompt(ids: list, facts: ModelFacts) -> Prompt:
     return Prompt(list(ids))
 
 
+def text_bytes(text: str) -> int:
+    """UTF-8 size of ``text`` (cheap for ASCII)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_prompt_size(num_bytes: int, facts: ModelFacts, param: str, *, context: bool) -> None:
+    """400 before tokenization for text past --max-prompt-bytes, or (``context``) for text too
+    long to fit the model's context whatever its tokens are."""
+    if num_bytes > facts.max_prompt_bytes:
+        raise bad_request(
+            f"the prompt text is {num_bytes} bytes; this server accepts at most "
+            f"{facts.max_prompt_bytes} bytes (--max-prompt-bytes)",
+            param,
+        )
+    per_token = facts.max_chars_per_token
+    if context and per_token and num_bytes > facts.max_model_len * per_token * 4:
+        raise bad_request(
+            f"the prompt text is {num_bytes} bytes, more than {facts.max_model_len} tokens "
+            f"(this model's maximum context length) can hold",
+            param,
+        )
+
+
 def _text_prompt(text: str, facts: ModelFacts) -> Prompt:
     if not text:
         raise bad_request("the prompt is empty", "prompt")
     tok = facts.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+    check_prompt_size(text_bytes(text), facts, "prompt", context=True)
     ids = list(tok.encode(text))
     if not ids:
         raise bad_request("the prompt is empty after tokenization", "prompt")
@@ -245,6 +276,7 @@ def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
     if len(value) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
     if all(isinstance(p, str) for p in value):
+        check_prompt_size(sum(map(text_bytes, value)), facts, "prompt", context=False)
         return [_text_prompt(p, facts) for p in value]
     if all(isinstance(p, list) for p in value):
         return [_token_prompt(p, facts) for p in value]
@@ -316,17 +348,49 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(messages: list[dict], facts: ModelFacts, body: dict) -> Prompt:
+# Arguments of ``tokenizer.apply_chat_template`` itself: in chat_template_kwargs they would
+# change what the call returns (tensors, a dict, padding) instead of feeding the template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def render_chat(
+    messages: list[dict], facts: ModelFacts, body: dict, *, context: bool = True
+) -> Prompt:
+    """The chat prompt; ``context``: also refuse text too long for the context (not for
+    /tokenize, which counts tokens of any text up to --max-prompt-bytes)."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the "
+            "template call, not template variables)",
+            "chat_template_kwargs",
+        )
     kwargs = dict(kwargs)
     kwargs["add_generation_prompt"] = get_bool(body, "add_generation_prompt", True)
+    size = sum(text_bytes(m["content"]) for m in messages)
+    check_prompt_size(size, facts, "messages", context=context)
     try:
         ids = apply_chat_template(facts.tokenizer, messages, **kwargs)
+        empty = not ids
     except Exception as e:  # a template error is the request's problem
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    if not ids:
+    if empty:
         raise bad_request("the rendered prompt is empty", "messages")
     return Prompt(ids)
 

@@ -30,13 +30,22 @@ class DaemonProcess:
         runtime_dir: the runtime directory to use (a test's tmp dir).
         args: extra daemon arguments (``--model DIR`` ...).
         env: extra environment variables.
+        nofile: the daemon's RLIMIT_NOFILE (soft and hard), to test behaviour near it.
     """
 
-    def __init__(self, runtime_dir: str | os.PathLike, args: list[str], env: dict | None = None):
+    def __init__(
+        self,
+        runtime_dir: str | os.PathLike,
+        args: list[str],
+        env: dict | None = None,
+        *,
+        nofile: int | None = None,
+    ):
         self.runtime_dir = Path(runtime_dir)
         self.port = free_port()
         self.args = args
         self.env = {**os.environ, "PAGECTL_RUNTIME_DIR": str(self.runtime_dir), **(env or {})}
+        self.nofile = nofile
         self.proc: subprocess.Popen | None = None
         self.info: RuntimeInfo | None = None
 
@@ -58,7 +67,15 @@ class DaemonProcess:
             str(self.runtime_dir),
             *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, env=self.env)
+        nofile = self.nofile
+
+        def limit() -> None:
+            if nofile is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(cmd, env=self.env, preexec_fn=limit if nofile else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
