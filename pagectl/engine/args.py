@@ -47,6 +47,40 @@ def parse_size(value: str | int | float) -> int:
     return size
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+
+
+def parse_structured_outputs_config(value: dict | str | None) -> dict:
+    """Validate --structured-outputs-config; returns {"backend", "disable_any_whitespace"}."""
+    import json
+
+    if value is None or value == "":
+        value = {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs_config must be a JSON object")
+    unknown = set(value) - {"backend", "disable_any_whitespace"}
+    if unknown:
+        raise ValueError(
+            f"structured_outputs_config: {', '.join(sorted(unknown))} is not supported by "
+            "pagectl (known: backend, disable_any_whitespace)"
+        )
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(
+            f"structured_outputs_config.backend must be one of "
+            f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {backend!r}"
+        )
+    ws = value.get("disable_any_whitespace", False)
+    if not isinstance(ws, bool):
+        raise ValueError("structured_outputs_config.disable_any_whitespace must be a boolean")
+    return {"backend": backend, "disable_any_whitespace": ws}
+
+
 @dataclass
 class EngineArgs:
     """Start-up options. ``model=None`` serves the built-in model shipped with the package."""
@@ -88,8 +122,15 @@ class EngineArgs:
     # (temperature, top_p, top_k, min_p when it sets do_sample; repetition_penalty;
     # max_new_tokens as max_tokens), "none" keeps the engine's own (OpenAI's) defaults.
     generation_config: str = "auto"
+    # Structured outputs, as vLLM's --structured-outputs-config: a JSON object (or its
+    # text) with "backend" ("xgrammar" or "auto") and "disable_any_whitespace" (the default
+    # for requests that do not say; true keeps a weak model from padding JSON forever).
+    structured_outputs_config: dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs_config = parse_structured_outputs_config(
+            self.structured_outputs_config
+        )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagectl.engine.args import EngineArgs, parse_size
+from pagectl.engine.args import EngineArgs, parse_size, parse_structured_outputs_config
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.core import EngineCore
 from pagectl.engine.distributed.sync import NO_SYNC, RankSync
@@ -211,6 +211,17 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         kv_bytes_per_rank=rank.kv_bytes_per_block * rank.num_blocks,
         max_model_len=rank.max_model_len,
     )
+    structured = None
+    if tokenizer is not None:
+        from pagectl.engine.structured_outputs.manager import StructuredOutputManager
+
+        so_config = parse_structured_outputs_config(args.structured_outputs_config)
+        structured = StructuredOutputManager(
+            tokenizer,
+            mcfg.vocab_size,
+            eos,
+            disable_any_whitespace=so_config["disable_any_whitespace"],
+        )
     core = EngineCore(
         scheduler,
         rank.runner,
@@ -218,6 +229,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         eos_token_ids=eos,
         model_info=info,
         tokenizer_decode=tokenizer.decode if tokenizer is not None else None,
+        structured_outputs=structured,
     )
     return BuiltEngine(
         core,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagectl.engine.sampling_params import SamplingParams
 
@@ -70,6 +70,7 @@ class Request:
         "pending_forks",
         "stop_reason",
         "error",
+        "grammar",
     )
 
     def __init__(
@@ -130,6 +131,9 @@ class Request:
         self.pending_forks = sp.n
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The structured-outputs matcher (a ``GrammarState``) when the request is
+        # constrained; it has accepted exactly the output tokens so far.
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

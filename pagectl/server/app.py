@@ -108,7 +108,12 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
     state.facts = ModelFacts(
-        name, ready.vocab_size, ready.max_model_len, tokenizer, dict(ready.sampling_defaults)
+        name,
+        ready.vocab_size,
+        ready.max_model_len,
+        tokenizer,
+        dict(ready.sampling_defaults),
+        chat=state.settings.chat,
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from pagectl.engine_process import wire
+from pagectl.server.chat import ChatSettings
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
 from pagectl.server.metrics import Metrics
@@ -41,6 +42,8 @@ class ServerSettings:
     retry_after_s: int = 1
     # A local tokenizer directory to start loading before the engine's handshake names it.
     tokenizer_hint: str | None = None
+    # Chat templates, tool-call and reasoning parsers (--chat-template and friends).
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 @dataclass
