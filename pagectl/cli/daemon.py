@@ -126,6 +126,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on SIGTERM (default 30)",
     )
 
+    o = p.add_argument_group("structured outputs, tools, chat templates, reasoning")
+    o.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"backend": "xgrammar", "disable_any_whitespace": true}\' (the '
+        "default for requests that do not say)",
+    )
+    o.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_STRING",
+        help="chat template (a file or the template text) instead of the tokenizer's",
+    )
+    o.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (it runs sandboxed either way)",
+    )
+    o.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    o.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls look in this model's output: hermes, llama3_json, mistral",
+    )
+    o.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="put <think> text in reasoning_content: qwen3, deepseek_r1",
+    )
+
     a = p.add_argument_group("admin channel")
     a.add_argument(
         "--runtime-dir",
@@ -149,6 +186,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
+def _chat_settings(args: argparse.Namespace):
+    """The chat options, checked (ValueError names the flag)."""
+    from pagectl.server.chat import ChatSettings
+    from pagectl.server.chat_template import load_template
+    from pagectl.server.reasoning import PARSERS as REASONING_PARSERS
+    from pagectl.server.tools.parsers import PARSERS as TOOL_PARSERS
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+            f"got {args.tool_call_parser!r}"
+        )
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {args.reasoning_parser!r}"
+        )
+    return ChatSettings(
+        chat_template=load_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from pagectl.cli.generate import engine_kwargs
     from pagectl.control.runtime import loopback_only
@@ -169,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
+            structured_outputs_config=args.structured_outputs_config,
         )
+        chat = _chat_settings(args)
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
                 loopback_only(ep)
@@ -191,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
+        chat=chat,
     )
     opts = DaemonOptions(
         engine_args=engine_args,

@@ -140,6 +140,21 @@ class _EngineCollector:
             c.prompt_tokens,
         )
         yield _counter("pagectl:generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield _counter(
+            "pagectl:structured_outputs_compiles",
+            "Grammars compiled for structured outputs (cache misses).",
+            c.grammar_compiles,
+        )
+        yield _counter(
+            "pagectl:structured_outputs_compile_seconds",
+            "Seconds spent compiling grammars (on the compile thread, off the engine step).",
+            c.grammar_compile_seconds,
+        )
+        yield _counter(
+            "pagectl:structured_outputs_cache_hits",
+            "Constrained requests served by the compiled-grammar cache.",
+            c.grammar_cache_hits,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
