@@ -67,6 +67,7 @@ TIME = {
     },
 }
 MESSAGES = [{"role": "user", "content": "Plan a trip"}]
+KEY = "sk-test"
 # A daemon --chat-template that shows tools, assistant tool calls and tool results.
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
@@ -100,6 +101,8 @@ def daemon(tmp_path_factory, tiny_qwen3):
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "hermes",
+            "--api-key",
+            KEY,
         ],
     )
     d.start()
@@ -109,7 +112,7 @@ def daemon(tmp_path_factory, tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def client(daemon):
-    return openai.OpenAI(base_url=daemon.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0)
 
 
 def test_json_schema_outputs_validate(client):
@@ -306,7 +309,7 @@ def test_bad_schema_is_400_and_the_daemon_keeps_serving(client, daemon):
 
 
 def test_mixed_batch_keeps_unconstrained_greedy_tokens(daemon):
-    aclient = openai.AsyncOpenAI(base_url=daemon.base_url + "/v1", api_key="u", max_retries=0)
+    aclient = openai.AsyncOpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0)
     plain = dict(model="tiny", prompt="def add(a, b):", max_tokens=16, temperature=0)
     plain_body = {"ignore_eos": True}
 
@@ -332,3 +335,89 @@ def test_mixed_batch_keeps_unconstrained_greedy_tokens(daemon):
     alone, mixed = asyncio.run(go())
     for r in mixed[4:]:
         assert r.choices[0].text == alone.choices[0].text
+
+
+# -- Anthropic Messages API -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claude(daemon):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=daemon.base_url, api_key=KEY, max_retries=0)
+
+
+def test_anthropic_messages_create_and_stream(claude):
+    kw = dict(
+        model="tiny",
+        max_tokens=8,
+        system="be brief",
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        # This SDK version has no temperature / top_k parameters: sent as body fields.
+        extra_body={"temperature": 0, "top_k": 5},
+    )
+    first = claude.messages.create(**kw)
+    assert first.type == "message" and first.role == "assistant"
+    assert first.stop_reason in ("end_turn", "max_tokens")
+    assert first.content[0].type == "text"
+    assert first.usage.output_tokens >= 1 and first.usage.input_tokens >= 1
+    again = claude.messages.create(**kw)  # the prompt now comes from the prefix cache
+    assert again.content[0].text == first.content[0].text
+    assert again.usage.cache_read_input_tokens > 0
+    with claude.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == first.content[0].text and final.stop_reason == first.stop_reason
+
+
+def test_anthropic_tools_and_errors(claude):
+    import anthropic
+
+    tool = {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    kw = dict(
+        model="tiny",
+        max_tokens=100,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "weather?"}],
+    )
+    r = claude.messages.create(**kw)
+    assert r.stop_reason == "tool_use"
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, tool["input_schema"])
+    with claude.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    jsonschema.validate(streamed.input, tool["input_schema"])
+    # A conversation with the call and its result renders.
+    follow = claude.messages.create(
+        model="tiny",
+        max_tokens=3,
+        tools=[tool],
+        tool_choice={"type": "none"},
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "20 C"}],
+            },
+        ],
+    )
+    assert follow.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=5, messages=[])
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        claude.with_options(api_key="wrong").messages.create(
+            model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}]
+        )

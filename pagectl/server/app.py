@@ -52,6 +52,9 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     settings = request.app[STATE].settings
     if settings.api_keys and request.path not in settings.auth_allow:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if "x-api-key" in request.headers and not given:
+            # Anthropic's clients send the key in x-api-key.
+            scheme, given = "bearer", request.headers["x-api-key"]
         given_b = given.strip().encode()
         # Compare against every key, whatever matches: timing says nothing about which.
         ok = False

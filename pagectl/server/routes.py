@@ -8,6 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagectl import __version__
+from pagectl.server.anthropic_api import messages
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError, bad_request
 from pagectl.server.json_fields import get_bool
@@ -104,6 +105,7 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
