@@ -11,7 +11,23 @@ import sys
 from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
 
 
+def _length(value: str) -> int:
+    from pagectl.engine.args import parse_length
+
+    try:
+        return parse_length(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (same as --model)",
+    )
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -23,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="name the API reports and accepts (default: the model's)",
+        help="names the API accepts; the first is the one it reports (default: the model's)",
     )
     m.add_argument("--dtype", choices=DTYPES, default="auto")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -67,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_length,
         default=None,
         help="token budget per step (live; default 2048 CPU / 8192 CUDA)",
     )
@@ -77,7 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=256,
         help="most sequences running at once (live, up to this start-up value)",
     )
-    c.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+    c.add_argument(
+        "--max-model-len",
+        type=_length,
+        default=None,
+        help="longest prompt + output, e.g. 4096, 4k (4000) or 4K (4096); at most the "
+        "model's max_position_embeddings",
+    )
     c.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -106,6 +129,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="path reachable without the API key (repeatable; default /health, /metrics)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="CORS: origins allowed to call the API from a browser (* for any; default none)",
     )
     s.add_argument(
         "--max-num-queued-requests",
@@ -214,6 +244,26 @@ def _chat_settings(args: argparse.Namespace):
     )
 
 
+def _port_busy(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (checked before the engine loads), or None."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None  # the server reports an unusable host itself
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pagectl.cli.generate import engine_kwargs
     from pagectl.control.runtime import loopback_only
@@ -226,11 +276,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagectl daemon: {msg}", file=sys.stderr)
         return 2
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            return fail(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    names = args.served_model_name or []
+    if args.gpu_memory_utilization is not None and args.device == "cpu":
+        print(
+            "pagectl daemon: warning: --gpu-memory-utilization has no effect on CPU "
+            "(size the KV cache with --kv-cache-memory or --num-kv-blocks)",
+            file=sys.stderr,
+        )
+    busy = _port_busy(args.host, args.port)
+    if busy:
+        return fail(f"cannot listen on {args.host}:{args.port}: {busy}")
     try:
         # The flags ``pagectl generate`` shares, then the daemon's own.
         engine_args = EngineArgs(
             **engine_kwargs(args),
-            served_model_name=args.served_model_name,
+            served_model_name=names[0] if names else None,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
@@ -252,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
     hint = args.tokenizer or args.model or builtin
     api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
-        served_model_name=args.served_model_name,
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
+        allowed_origins=tuple(args.allowed_origins or ()),
         api_keys=[api_key] if api_key else [],
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,

@@ -48,6 +48,20 @@ def parse_size(value: str | int | float) -> int:
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+_LENGTH_UNITS = {"": 1, "k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+
+
+def parse_length(value: str | int) -> int:
+    """A token count as vLLM writes them: '4096', '4k' (4000), '4K' (4096), '1m', '1M'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(value))
+    if not m:
+        raise ValueError(f"not a token count: {value!r} (examples: 4096, 4k, 4K)")
+    n = float(m.group(1)) * _LENGTH_UNITS[m.group(2)]
+    if n != int(n):
+        raise ValueError(f"not a whole number of tokens: {value!r}")
+    return int(n)
 
 
 def parse_structured_outputs_config(value: dict | str | None) -> dict:

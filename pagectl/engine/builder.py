@@ -275,6 +275,12 @@ def build_rank(
         "num_kv_blocks", _num_kv_blocks(args, model, per_block, max_tokens, device, local_size)
     )
     capacity = num_blocks * args.block_size
+    if args.max_model_len and args.max_model_len > mcfg.max_position_embeddings:
+        # As vLLM: a longer context than the model was built for is refused, not served.
+        raise ValueError(
+            f"max_model_len {args.max_model_len} is longer than the model's "
+            f"max_position_embeddings ({mcfg.max_position_embeddings})"
+        )
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
     if max_model_len > capacity:
         if tp.rank == 0:

@@ -47,6 +47,34 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """CORS for --allowed-origins: preflight answered here, the origin echoed on responses."""
+    allowed = request.app[STATE].settings.allowed_origins
+    origin = request.headers.get("Origin")
+    if not allowed or origin is None or ("*" not in allowed and origin not in allowed):
+        return await handler(request)
+    cors = {
+        "Access-Control-Allow-Origin": "*" if "*" in allowed else origin,
+        "Vary": "Origin",
+    }
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        cors.update(
+            {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", "Authorization, Content-Type"
+                ),
+                "Access-Control-Max-Age": "600",
+            }
+        )
+        return web.Response(status=204, headers=cors)
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers.update(cors)
+    return resp
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """With API keys set, every path outside the allow-list needs ``Authorization: Bearer``."""
     settings = request.app[STATE].settings
@@ -117,6 +145,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         tokenizer,
         dict(ready.sampling_defaults),
         chat=state.settings.chat,
+        aliases=tuple(a for a in state.settings.served_model_aliases if a != name),
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
@@ -148,7 +177,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 def create_app(settings: ServerSettings, engine: Any) -> web.Application:
     """The OpenAI-compatible application around ``engine`` (started by the app's cleanup_ctx)."""
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=settings.max_body_size
+        middlewares=[cors_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_size,
     )
     state = ServerState(settings, engine, Metrics(lambda: engine.stats))
     state.idle.set()

@@ -30,6 +30,10 @@ class ServerSettings:
 
     # Name the API reports and accepts (None: the engine's model name).
     served_model_name: str | None = None
+    # Further names the API accepts for the same model (--served-model-name A B C).
+    served_model_aliases: tuple[str, ...] = ()
+    # CORS: origins allowed to call from a browser ("*": any); empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
     # Accepted API keys (empty: no authentication).
     api_keys: list[str] = field(default_factory=list)
     # Paths reachable without a key when keys are set.

@@ -38,6 +38,12 @@ class ModelFacts:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # The daemon's chat options (templates, tool-call and reasoning parsers).
     chat: ChatSettings = field(default_factory=ChatSettings)
+    # Further names accepted for the model (responses report served_model_name).
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
 
 
 @dataclass
@@ -69,7 +75,7 @@ class GenerationSpec:
 def check_model(body: dict, facts: ModelFacts) -> None:
     """404 for a model this daemon does not serve (a missing model means the served one)."""
     model = get_str(body, "model")
-    if model is not None and model != facts.served_model_name:
+    if model is not None and model not in facts.names:
         raise APIError(
             404,
             f"The model `{model}` does not exist. This daemon serves `{facts.served_model_name}`.",
