@@ -207,3 +207,23 @@ def test_params_and_config_checks():
         parse_structured_outputs_config({"backend": "xgrammar", "reasoning_parser": "x"})
     with pytest.raises(ValueError, match="backend"):
         parse_structured_outputs_config({"backend": "outlines"})
+
+
+def test_offline_llm_takes_the_same_field(tiny_qwen3):
+    from pagectl import LLM, StructuredOutputsParams
+
+    llm = LLM(str(tiny_qwen3), dtype="float32", num_kv_blocks=64, block_size=8)
+    try:
+        sp = SamplingParams(
+            temperature=1.0,
+            seed=0,
+            n=2,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]),
+        )
+        (out,) = llm.generate(["Hello"], sp)
+        assert [c.text for c in out.outputs] and all(
+            c.text in ("alpha", "beta") for c in out.outputs
+        )
+    finally:
+        llm.shutdown()

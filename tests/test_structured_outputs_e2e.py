@@ -421,3 +421,24 @@ def test_anthropic_tools_and_errors(claude):
         claude.with_options(api_key="wrong").messages.create(
             model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}]
         )
+
+
+def test_prompt_logprobs_per_choice(client):
+    r = client.completions.create(
+        model="tiny",
+        prompt="def add(a, b):",
+        max_tokens=2,
+        n=2,
+        extra_body={"prompt_logprobs": 2},
+    )
+    n_prompt = r.usage.prompt_tokens
+    for choice in r.choices:
+        plp = choice.model_extra["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == n_prompt
+        for entry in plp[1:]:
+            assert 1 <= len(entry) <= 3
+            assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model="tiny", prompt="x", stream=True, extra_body={"prompt_logprobs": 1}
+        )

@@ -22,6 +22,7 @@ from pagectl.server.chat_output import ChatOutput, ChoiceStream
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import (
     chat_logprobs,
+    clamp,
     completion_logprobs,
     send_done,
     send_event,
@@ -137,15 +138,34 @@ class _CompletionFormat(_Format):
                 ids += c.token_ids
                 lps += c.logprobs
                 lp = completion_logprobs(ids, lps, tt, 0)
-            out.append(
-                {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
+            choice = {
+                "index": c.index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.spec.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
+            out.append(choice)
+        return out
+
+    def _prompt_logprobs(self, c) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per token
+        {token id: {"logprob", "rank", "decoded_token"}} with the token itself and its top-k."""
+        tt = self.state.tokens
+        ids = c.run.prompt.token_ids
+        lps = c.run.prompt_logprobs
+        out: list[dict | None] = [None]
+        for tid, lp in zip(ids[1:], lps, strict=False):
+            entry = {
+                str(t): {"logprob": clamp(v), "rank": r + 1, "decoded_token": tt(t)}
+                for r, (t, v) in enumerate(lp.top)
+            }
+            entry.setdefault(
+                str(tid), {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": tt(tid)}
             )
+            out.append(entry)
         return out
 
     def opening(self) -> list[dict]:

@@ -70,6 +70,8 @@ class GenerationSpec:
     constraint: Constraint | None = None
     # Chat: what the request asked of tools.
     tools: ToolSpec | None = None
+    # Completions: top-k logprobs of each prompt token, returned per choice (None: off).
+    prompt_logprobs: int | None = None
 
 
 def check_model(body: dict, facts: ModelFacts) -> None:
@@ -282,10 +284,24 @@ def parse_completion(body: dict, facts: ModelFacts) -> GenerationSpec:
         kw["logprobs"] = logprobs
         if echo:
             kw["prompt_logprobs"] = logprobs
-    if get_int(body, "prompt_logprobs") is not None:
-        raise bad_request("`prompt_logprobs` is not supported by pagectl", "prompt_logprobs")
+    prompt_logprobs = get_int(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        if get_bool(body, "stream"):
+            raise bad_request(
+                "`prompt_logprobs` with `stream` is not supported by pagectl", "prompt_logprobs"
+            )
+        if "prompt_logprobs" in kw and kw["prompt_logprobs"] != prompt_logprobs:
+            raise bad_request("with echo, prompt_logprobs must equal logprobs", "prompt_logprobs")
+        kw["prompt_logprobs"] = prompt_logprobs
     params = _build_params(kw, facts.vocab_size)
-    spec = GenerationSpec(prompts, params, echo=echo, logprobs=logprobs, constraint=constraint)
+    spec = GenerationSpec(
+        prompts,
+        params,
+        echo=echo,
+        logprobs=logprobs,
+        constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
+    )
     _common(body, spec)
     _check_context(prompts, params.max_tokens, facts, "prompt")
     return spec
