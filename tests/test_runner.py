@@ -190,10 +190,13 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
     assert (info.dtype, info.device, info.tp_size) == ("float32", "cpu", 1)
     # Default on CPU: 2 GiB capped at a quarter of RAM (here "RAM" is 4 MiB -> 1 MiB).
     monkeypatch.setattr(kv_cache, "system_memory_bytes", lambda: 4 << 20)
-    built = _engine(path, num_kv_blocks=None, max_model_len=100000)
+    built = _engine(path, num_kv_blocks=None, max_model_len=512)
     assert built.core.scheduler.kv.num_blocks == num_blocks
     # max_model_len is capped at what the pool can hold.
-    assert built.max_model_len == num_blocks * 16
+    assert _engine(path, num_kv_blocks=8, max_model_len=512).max_model_len == 8 * 16
+    # Longer than the model's max_position_embeddings: refused, as vLLM does.
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        _engine(path, max_model_len=513)
     with pytest.raises(ValueError, match="no room for the KV cache"):
         _engine(path, num_kv_blocks=None, kv_cache_memory=1000)
     threads = torch.get_num_threads()

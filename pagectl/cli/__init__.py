@@ -36,13 +36,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
+            parser.set_defaults(_chosen_parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # An unknown flag of a command prints that command's usage, not the top-level one.
+        (getattr(args, "_chosen_parser", None) or parser).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

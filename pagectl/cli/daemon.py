@@ -12,8 +12,24 @@ from pagectl.engine.args import EngineArgs, add_cli_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (same as --model)",
+    )
     # The engine's flags (model, KV cache and scheduler), then the daemon's own.
-    add_cli_arguments(p)
+    add_cli_arguments(p, skip=("served_model_name",))
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names the API accepts; the first is the one it reports (default: the model's)",
+    )
+    # None tells "not given" apart, so that giving it on CPU can be warned about.
+    p.set_defaults(gpu_memory_utilization=None)
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
@@ -37,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="path reachable without the API key (repeatable; default /health, /metrics)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="CORS: origins allowed to call the API from a browser (* for any; default none)",
     )
     s.add_argument(
         "--max-num-queued-requests",
@@ -96,6 +119,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on SIGTERM (default 30)",
     )
 
+    o = p.add_argument_group("structured outputs, tools, chat templates, reasoning")
+    o.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_STRING",
+        help="chat template (a file or the template text) instead of the tokenizer's",
+    )
+    o.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (it runs sandboxed either way)",
+    )
+    o.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    o.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls look in this model's output: hermes, llama3_json, mistral",
+    )
+    o.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="put <think> text in reasoning_content: qwen3, deepseek_r1",
+    )
+
     a = p.add_argument_group("admin channel")
     a.add_argument(
         "--runtime-dir",
@@ -125,6 +178,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
+def _chat_settings(args: argparse.Namespace):
+    """The chat options, checked (ValueError names the flag)."""
+    from pagectl.server.chat import ChatSettings
+    from pagectl.server.chat_template import load_template
+    from pagectl.server.reasoning import PARSERS as REASONING_PARSERS
+    from pagectl.server.tools.parsers import PARSERS as TOOL_PARSERS
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+            f"got {args.tool_call_parser!r}"
+        )
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {args.reasoning_parser!r}"
+        )
+    return ChatSettings(
+        chat_template=load_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
+def _port_busy(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (checked before the engine loads), or None."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None  # the server reports an unusable host itself
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pagectl.control.runtime import loopback_only
     from pagectl.daemon.lifecycle import DaemonOptions
@@ -136,8 +237,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagectl daemon: {msg}", file=sys.stderr)
         return 2
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            return fail(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    names = args.served_model_name or []
+    if args.gpu_memory_utilization is not None and args.device == "cpu":
+        print(
+            "pagectl daemon: warning: --gpu-memory-utilization has no effect on CPU "
+            "(size the KV cache with --kv-cache-memory or --num-kv-blocks)",
+            file=sys.stderr,
+        )
+    busy = _port_busy(args.host, args.port)
+    if busy:
+        return fail(f"cannot listen on {args.host}:{args.port}: {busy}")
     try:
-        engine_args = EngineArgs.from_cli(args)
+        engine_args = EngineArgs.from_cli(
+            args,
+            served_model_name=names[0] if names else None,
+            gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
+        )
+        chat = _chat_settings(args)
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
                 loopback_only(ep)
@@ -181,7 +301,9 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--api-key-file {args.api_key_file} holds no key")
     api_key = api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
-        served_model_name=args.served_model_name,
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
+        allowed_origins=tuple(args.allowed_origins or ()),
         api_keys=[api_key] if api_key else [],
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,
@@ -195,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
         ),
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
+        chat=chat,
     )
     opts = DaemonOptions(
         engine_args=engine_args,

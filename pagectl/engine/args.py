@@ -96,6 +96,62 @@ def option(
     return field(default=default, metadata=meta)
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+_LENGTH_UNITS = {"": 1, "k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+
+
+def parse_length(value: str | int) -> int:
+    """A token count as vLLM writes them: '4096', '4k' (4000), '4K' (4096), '1m', '1M'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(value))
+    if not m:
+        raise ValueError(f"not a token count: {value!r} (examples: 4096, 4k, 4K)")
+    n = float(m.group(1)) * _LENGTH_UNITS[m.group(2)]
+    if n != int(n):
+        raise ValueError(f"not a whole number of tokens: {value!r}")
+    return int(n)
+
+
+def length_flag(value: str) -> int:
+    """argparse type for token counts (``parse_length``)."""
+    try:
+        return parse_length(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_structured_outputs_config(value: dict | str | None) -> dict:
+    """Validate --structured-outputs-config; returns {"backend", "disable_any_whitespace"}."""
+    import json
+
+    if value is None or value == "":
+        value = {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs_config must be a JSON object")
+    unknown = set(value) - {"backend", "disable_any_whitespace"}
+    if unknown:
+        raise ValueError(
+            f"structured_outputs_config: {', '.join(sorted(unknown))} is not supported by "
+            "pagectl (known: backend, disable_any_whitespace)"
+        )
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(
+            f"structured_outputs_config.backend must be one of "
+            f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {backend!r}"
+        )
+    ws = value.get("disable_any_whitespace", False)
+    if not isinstance(ws, bool):
+        raise ValueError("structured_outputs_config.disable_any_whitespace must be a boolean")
+    return {"backend": backend, "disable_any_whitespace": ws}
+
+
 @dataclass
 class EngineArgs:
     """Start-up options. ``model=None`` serves the built-in model shipped with the package."""
@@ -140,8 +196,8 @@ class EngineArgs:
     # Token budget per step; None: DEFAULT_TOKEN_BUDGET for the device (``token_budget``).
     max_num_batched_tokens: int | None = option(
         None,
-        "token budget per step (live; default 2048 CPU / 8192 CUDA)",
-        type=int,
+        "token budget per step (live; default 2048 CPU / 8192 CUDA; 4096, 4k or 4K)",
+        type=length_flag,
         group=CACHE_GROUP,
     )
     max_num_seqs: int = option(
@@ -151,7 +207,13 @@ class EngineArgs:
         group=CACHE_GROUP,
     )
     # Longest prompt + output; None: the model's max_position_embeddings, capped by the pool.
-    max_model_len: int | None = option(None, "longest prompt + output", type=int, group=CACHE_GROUP)
+    max_model_len: int | None = option(
+        None,
+        "longest prompt + output, e.g. 4096, 4k (4000) or 4K (4096); at most the model's "
+        "max_position_embeddings",
+        type=length_flag,
+        group=CACHE_GROUP,
+    )
     enable_prefix_caching: bool = option(
         True, "prefix caching (live)", type=bool, group=CACHE_GROUP
     )
@@ -191,8 +253,19 @@ class EngineArgs:
         "values; none: the engine's own defaults",
         choices=GENERATION_CONFIG_MODES,
     )
+    # Structured outputs, as vLLM's --structured-outputs-config: a JSON object (or its
+    # text) with "backend" ("xgrammar" or "auto") and "disable_any_whitespace" (the default
+    # for requests that do not say; true keeps a weak model from padding JSON forever).
+    structured_outputs_config: dict | str | None = option(
+        None,
+        'structured outputs, JSON: {"backend": "xgrammar"|"auto", "disable_any_whitespace": bool}',
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
+        self.structured_outputs_config = parse_structured_outputs_config(
+            self.structured_outputs_config
+        )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

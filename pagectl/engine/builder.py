@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import torch
 
-from pagectl.engine.args import EngineArgs, parse_size
+from pagectl.engine.args import EngineArgs, parse_size, parse_structured_outputs_config
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.core import EngineCore
 from pagectl.engine.distributed.sync import NO_SYNC, RankSync
@@ -232,6 +232,17 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         info.cuda_graph_max_batch = graphs.max_batch_size
         info.cuda_graph_capture_s = graphs.capture_s
         info.cuda_graph_bytes = graphs.capture_bytes
+    structured = None
+    if tokenizer is not None:
+        from pagectl.engine.structured_outputs.manager import StructuredOutputManager
+
+        so_config = parse_structured_outputs_config(args.structured_outputs_config)
+        structured = StructuredOutputManager(
+            tokenizer,
+            mcfg.vocab_size,
+            eos,
+            disable_any_whitespace=so_config["disable_any_whitespace"],
+        )
     core = EngineCore(
         scheduler,
         rank.runner,
@@ -239,6 +250,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         eos_token_ids=eos,
         model_info=info,
         tokenizer_decode=tokenizer.decode if tokenizer is not None else None,
+        structured_outputs=structured,
     )
     return BuiltEngine(
         core,
@@ -287,6 +299,12 @@ def build_rank(
         _num_kv_blocks(args, model, per_block, max_tokens, device, local_size, kv_dtype, profile),
     )
     capacity = num_blocks * args.block_size
+    if args.max_model_len and args.max_model_len > mcfg.max_position_embeddings:
+        # As vLLM: a longer context than the model was built for is refused, not served.
+        raise ValueError(
+            f"max_model_len {args.max_model_len} is longer than the model's "
+            f"max_position_embeddings ({mcfg.max_position_embeddings})"
+        )
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
     if max_model_len > capacity:
         if tp.rank == 0:

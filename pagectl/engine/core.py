@@ -68,6 +68,7 @@ class EngineCore:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         model_info: ModelInfo | None = None,
         tokenizer_decode=None,
+        structured_outputs=None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -82,6 +83,9 @@ class EngineCore:
         self._snapshot_seq = 0
         self._tables = _BlockTables()
         self.max_model_len = scheduler.config.max_model_len
+        # A ``StructuredOutputManager`` (None: the model has no tokenizer, so constrained
+        # requests are refused).
+        self.structured_outputs = structured_outputs
 
     # -- requests -----------------------------------------------------------------------
 
@@ -118,7 +122,10 @@ class EngineCore:
             )
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        return Request(
+        constraint = sampling_params.structured_outputs
+        if constraint is not None and self.structured_outputs is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and it has none")
+        req = Request(
             request_id,
             list(prompt_token_ids),
             sampling_params,
@@ -127,6 +134,11 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt,
         )
+        if constraint is not None:
+            # Compiles on the manager's thread (or hits its cache); the scheduler holds the
+            # request back until the grammar is ready.
+            req.grammar = self.structured_outputs.submit(constraint)
+        return req
 
     def add_request(
         self,
@@ -188,6 +200,9 @@ class EngineCore:
         sched = self.scheduler
         so = sched.schedule()
         if so.is_empty and not so.block_copies:
+            if sched.only_compiling:
+                # Nothing to run until a grammar is ready: wait briefly instead of spinning.
+                self.structured_outputs.wait_any([r.grammar for r in sched.compiling], 0.002)
             return sched.take_pending_outputs()
         t0 = time.perf_counter()
         ro = self.executor.execute_model(so)

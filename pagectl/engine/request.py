@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagectl.engine.sampling_params import SamplingParams
 
@@ -71,6 +71,7 @@ class Request:
         "pending_forks",
         "stop_reason",
         "error",
+        "grammar",
     )
 
     def __init__(
@@ -133,11 +134,15 @@ class Request:
         self.pending_forks = sp.n
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The structured-outputs matcher (a ``GrammarState``) when the request is
+        # constrained; it has accepted exactly the output tokens so far.
+        self.grammar: Any = None
 
     def fork(self, index: int) -> Request:
         """Sample ``index`` of this request: the same tokens, progress and stop conditions,
         no blocks yet (the KV manager shares the parent's, ``KVCacheManager.fork``), forked
-        once and for all (``pending_forks`` 1). Lists are the child's own."""
+        once and for all (``pending_forks`` 1). Lists and the grammar matcher's state are the
+        child's own."""
         child = Request.__new__(Request)
         for slot in Request.__slots__:
             setattr(child, slot, getattr(self, slot))
@@ -148,6 +153,8 @@ class Request:
         child.block_ids = []
         child.block_hashes = list(self.block_hashes)
         child.pending_forks = 1
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     @property

@@ -48,6 +48,9 @@ class Scheduler(LiveConfigMixin):
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.waiting = WaitingQueue(scheduler_config.policy)
+        # Constrained requests whose grammar is still compiling (status WAITING, not in
+        # ``waiting``): moved to ``waiting`` by ``schedule()`` once ready, in arrival order.
+        self.compiling: list[Request] = []
         # Running sequences in service order; the last one is the next preemption victim.
         self.running: list[Request] = []
         # request_id -> its live sequences (several after a fork).
@@ -74,7 +77,12 @@ class Scheduler(LiveConfigMixin):
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing can run until a grammar compile finishes."""
+        return bool(self.compiling) and not self.running and len(self.waiting) == 0
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending_outputs)
@@ -85,7 +93,10 @@ class Scheduler(LiveConfigMixin):
         if req.request_id in self.groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.groups[req.request_id] = [req]
-        self.waiting.push(req)
+        if req.grammar is not None and req.grammar.matcher is None:
+            self.compiling.append(req)
+        else:
+            self.waiting.push(req)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish every sequence of ``request_id`` with "abort", freeing its blocks."""
@@ -103,7 +114,10 @@ class Scheduler(LiveConfigMixin):
         if prev == RequestStatus.RUNNING:
             self.running.remove(req)
         elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.discard(req)
+            if req.grammar is not None and req in self.compiling:
+                self.compiling.remove(req)
+            else:
+                self.waiting.discard(req)
         self.kv.free(req)
         self._release(req)
         if emit:
@@ -136,7 +150,34 @@ class Scheduler(LiveConfigMixin):
 
     # -- scheduling ---------------------------------------------------------------------
 
+    def _promote_compiled(self) -> None:
+        """Move requests whose grammar is ready into the waiting queue (or fail them)."""
+        still: list[Request] = []
+        c = self.counters
+        for req in self.compiling:
+            g = req.grammar
+            if not g.ready:
+                still.append(req)
+                continue
+            seconds = g.activate()
+            if g.error is not None:
+                req.error = f"structured_outputs: {g.error}"
+                req.status = RequestStatus.FINISHED_ERROR
+                self.kv.free(req)
+                self._release(req)
+                self._pending_outputs.append(self._output(req, []))
+                continue
+            if seconds is None:
+                c.grammar_cache_hits += 1
+            else:
+                c.grammar_compiles += 1
+                c.grammar_compile_seconds += seconds
+            self.waiting.push(req)
+        self.compiling = still
+
     def schedule(self) -> SchedulerOutput:
+        if self.compiling:
+            self._promote_compiled()
         cfg = self.config
         kv = self.kv
         budget = cfg.max_num_batched_tokens
@@ -365,10 +406,23 @@ class Scheduler(LiveConfigMixin):
             num_generated += 1
             ntok = len(tokens)
             finish_reason = None
+            g = req.grammar
+            if g is not None and not g.accept(tok):
+                # Never for a token drawn under the grammar's mask; fail, do not corrupt.
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = f"structured_outputs: token {tok} does not fit the grammar"
+                finished.append(req)
+                outputs.append(self._output(req, [tok]))
+                continue
             if tok in req.stop_ids and ntok >= req.min_num_tokens:
                 req.status = RequestStatus.FINISHED_STOPPED
                 if tok in req.sampling_params.stop_token_ids:
                     req.stop_reason = tok
+                finished.append(req)
+                finish_reason = "stop"
+            elif g is not None and g.terminated:
+                # The grammar is complete (its stop token accepted, e.g. with ignore_eos).
+                req.status = RequestStatus.FINISHED_STOPPED
                 finished.append(req)
                 finish_reason = "stop"
             elif ntok >= req.max_num_tokens:

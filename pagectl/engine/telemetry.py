@@ -76,6 +76,11 @@ class Counters(msgspec.Struct):
     rejected: int = 0
     # Cached blocks handed out again (prefix cache evictions).
     evictions: int = 0
+    # Structured outputs: grammars compiled (and their total seconds), and constrained
+    # requests served by the compiled-grammar cache.
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
 
 
 class StepStat(msgspec.Struct, array_like=True):

@@ -49,11 +49,42 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """CORS for --allowed-origins: preflight answered here, the origin echoed on responses."""
+    allowed = request.app[STATE].settings.allowed_origins
+    origin = request.headers.get("Origin")
+    if not allowed or origin is None or ("*" not in allowed and origin not in allowed):
+        return await handler(request)
+    cors = {
+        "Access-Control-Allow-Origin": "*" if "*" in allowed else origin,
+        "Vary": "Origin",
+    }
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        cors.update(
+            {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", "Authorization, Content-Type"
+                ),
+                "Access-Control-Max-Age": "600",
+            }
+        )
+        return web.Response(status=204, headers=cors)
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers.update(cors)
+    return resp
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """With API keys set, every path outside the allow-list needs ``Authorization: Bearer``."""
     settings = request.app[STATE].settings
     if settings.api_keys and request.path not in settings.auth_allow:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if "x-api-key" in request.headers and not given:
+            # Anthropic's clients send the key in x-api-key.
+            scheme, given = "bearer", request.headers["x-api-key"]
         given_b = given.strip().encode()
         # Compare against every key, whatever matches: timing says nothing about which.
         ok = False
@@ -127,6 +158,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         dict(ready.sampling_defaults),
         max_prompt_bytes=state.settings.max_prompt_bytes,
         max_chars_per_token=await loop.run_in_executor(None, max_chars_per_token, tokenizer),
+        chat=state.settings.chat,
+        aliases=tuple(a for a in state.settings.served_model_aliases if a != name),
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
@@ -159,7 +192,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 def create_app(settings: ServerSettings, engine: EngineClientProtocol) -> web.Application:
     """The OpenAI-compatible application around ``engine`` (started by the app's cleanup_ctx)."""
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=settings.max_body_size
+        middlewares=[cors_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_size,
     )
     state = ServerState(settings, engine, Metrics(lambda: engine.stats))
     state.idle.set()

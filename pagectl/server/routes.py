@@ -9,6 +9,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagectl import __version__
+from pagectl.server.anthropic_api import messages
 from pagectl.server.body import read_body
 from pagectl.server.errors import APIError, bad_request
 from pagectl.server.json_fields import get_bool, is_int
@@ -25,25 +26,34 @@ from pagectl.server.validation import (
 )
 
 
+def _model_card(state: Any, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(state.start_time),
+        "owned_by": "pagectl",
+        "root": state.engine_ready.model_path,
+        "parent": None,
+        "max_model_len": state.model.max_model_len,
+    }
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    facts = state.model
     return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": facts.served_model_name,
-                    "object": "model",
-                    "created": int(state.start_time),
-                    "owned_by": "pagectl",
-                    "root": state.engine_ready.model_path,
-                    "parent": None,
-                    "max_model_len": facts.max_model_len,
-                }
-            ],
-        }
+        {"object": "list", "data": [_model_card(state, n) for n in state.model.names]}
     )
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the openai SDK's ``models.retrieve``)."""
+    state = request.app[STATE]
+    name = request.match_info["model_id"]
+    if name not in state.model.names:
+        raise APIError(
+            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        )
+    return web.json_response(_model_card(state, name))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -124,7 +134,9 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from pagectl.engine_process import wire
 from pagectl.engine_process.client import EngineClientProtocol
+from pagectl.server.chat import ChatSettings
 from pagectl.server.connections import ConnectionLimits
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
@@ -32,6 +33,10 @@ class ServerSettings:
 
     # Name the API reports and accepts (None: the engine's model name).
     served_model_name: str | None = None
+    # Further names the API accepts for the same model (--served-model-name A B C).
+    served_model_aliases: tuple[str, ...] = ()
+    # CORS: origins allowed to call from a browser ("*": any); empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
     # Accepted API keys (empty: no authentication).
     api_keys: list[str] = field(default_factory=list)
     # Paths reachable without a key when keys are set.
@@ -53,6 +58,8 @@ class ServerSettings:
     health_stall_timeout: float = 30.0
     # Timeouts and the connection cap (server/connections.py).
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Chat templates, tool-call and reasoning parsers (--chat-template and friends).
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 @dataclass
