@@ -1,7 +1,11 @@
 """``pagectl ctl``: scripted control of a running daemon over the admin channel.
 
 Exit status: 0 done; 1 the daemon refused the command (the reason is printed); 2 usage
-error; 3 no daemon found, no control token, or no answer in time.
+error, or several daemons and none chosen (the list is printed); 3 no daemon found, no
+control token, or no answer in time.
+
+The daemon is chosen with ``--url``, ``--port`` or ``--pid`` (``pagectl.cli.target``); with
+several running and none chosen, ``ctl`` refuses and lists them: it never guesses.
 """
 
 from __future__ import annotations
@@ -10,19 +14,16 @@ import argparse
 import json
 import sys
 
+from pagectl.cli.target import add_target_arguments, selector
 from pagectl.tui.fmt import size
 
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--runtime-dir",
-        default=None,
-        help="runtime directory of the daemon (default: $PAGECTL_RUNTIME_DIR, "
-        "$XDG_RUNTIME_DIR/pagectl or ~/.cache/pagectl/run)",
-    )
+    add_target_arguments(p)
     p.add_argument(
         "--control-endpoint", default=None, help="control endpoint (instead of the runtime file)"
     )
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     sub = p.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
+    from pagectl.cli.ls import add_ls_options
+
+    add_ls_options(sub.add_parser("ls", help="list the running daemons (same as `pagectl ls`)"))
     st = sub.add_parser("status", help="config, KV usage, counters, requests")
     st.add_argument("--json", action="store_true", help="the full status as JSON")
     s = sub.add_parser("set", help="change a live setting, e.g. `set max-num-batched-tokens 4096`")
@@ -40,6 +44,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "enable-prefix-caching",
     )
     s.add_argument("value")
+    s.add_argument(
+        "--drain",
+        action="store_true",
+        help="lowering max-num-seqs never preempts (running requests finish, admission "
+        "waits); with --drain, wait until fewer than the new cap run, printing the count",
+    )
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="give up waiting for the drain after S seconds (exit 3; the cap stays)",
+    )
     pc = sub.add_parser("prefix-cache", help="turn prefix caching on or off")
     pc.add_argument("state", choices=("on", "off"))
     sub.add_parser("reset-prefix-cache", help="forget every cached prefix")
@@ -136,19 +153,26 @@ def _format_result(name: str, result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from pagectl.control.client import AdminClient, AdminError, default_client_name
-    from pagectl.control.runtime import RuntimeNotFound, find_runtime, read_token
+    from pagectl.control.runtime import RuntimeNotFound, read_token
+    from pagectl.control.selection import AmbiguousRuntime, select_runtime
 
     def err(msg: str, code: int) -> int:
         print(f"pagectl ctl: {msg}", file=sys.stderr)
         return code
 
+    if args.ctl_command == "ls":
+        from pagectl.cli import ls
+
+        return ls.run(args)
     if args.control_endpoint:
         endpoint = args.control_endpoint
         token = read_token(args.token_file) if args.token_file else None
         token_src = args.token_file
     else:
         try:
-            info = find_runtime(args.runtime_dir)
+            info = select_runtime(args.runtime_dir, selector(args))
+        except AmbiguousRuntime as e:
+            return err(str(e), EXIT_USAGE)
         except RuntimeNotFound as e:
             return err(str(e), EXIT_UNREACHABLE)
         endpoint, token, token_src = (
@@ -167,9 +191,44 @@ def run(args: argparse.Namespace) -> int:
             if e.kind == "timeout":
                 return err(e.message, EXIT_UNREACHABLE)
             return err(f"refused ({e.kind}): {e.message}", EXIT_REFUSED)
-    name = args.ctl_command
-    if name == "status":
-        print(json.dumps(result, indent=2, sort_keys=True) if args.json else format_status(result))
-    else:
-        print(_format_result(name, result))
+        name = args.ctl_command
+        if name == "status":
+            print(
+                json.dumps(result, indent=2, sort_keys=True) if args.json else format_status(result)
+            )
+            return 0
+        print(_format_result(name, result), flush=True)
+        if name == "set" and args.drain and result.get("name") == "max_num_seqs":
+            return _wait_for_drain(client, int(result["new"]), args)
     return 0
+
+
+def _wait_for_drain(client, cap: int, args: argparse.Namespace) -> int:
+    """Poll the status until at most ``cap`` sequences run; a line per change of the count."""
+    import time
+
+    from pagectl.control.client import AdminError
+    from pagectl.engine.commands import GetStatus
+
+    deadline = time.monotonic() + args.drain_timeout
+    last = None
+    while True:
+        try:
+            running = int(client.command(GetStatus(), timeout=args.timeout)["num_running"])
+        except AdminError as e:
+            print(f"pagectl ctl: {e.kind}: {e.message}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        if running <= cap:
+            print(f"drained: {running} running (cap {cap})")
+            return 0
+        if running != last:
+            print(f"draining to {cap} (now {running})", flush=True)
+            last = running
+        if time.monotonic() >= deadline:
+            print(
+                f"pagectl ctl: still {running} running after {args.drain_timeout:g}s "
+                f"(the cap {cap} stays)",
+                file=sys.stderr,
+            )
+            return EXIT_UNREACHABLE
+        time.sleep(0.2)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagectl.cli.target import add_target_arguments, selector
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--runtime-dir",
-        help="where the daemon recorded its endpoints (default: $PAGECTL_RUNTIME_DIR, "
-        "$XDG_RUNTIME_DIR/pagectl or ~/.cache/pagectl/run)",
-    )
+    add_target_arguments(p)
     p.add_argument(
         "--telemetry", metavar="ENDPOINT", help="telemetry PUB endpoint (skips the runtime file)"
     )
@@ -38,16 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_source(args: argparse.Namespace):
-    """The ``AdminSource`` the flags ask for."""
+    """(the ``AdminSource`` the flags ask for, its ``SelectingResolver`` or None)."""
     if args.replay:
         from pagectl.tui.replay_source import ReplaySource
 
-        return ReplaySource(args.replay, speed=args.speed)
-    from pagectl.tui.zmq_source import Endpoints, ZmqSource, runtime_resolver
+        return ReplaySource(args.replay, speed=args.speed), None
+    from pagectl.tui.daemon_choice import SelectingResolver
+    from pagectl.tui.zmq_source import Endpoints, ZmqSource
 
     if args.telemetry:
-        return ZmqSource(Endpoints(args.telemetry, args.control, args.token_file))
-    return ZmqSource(runtime_resolver(args.runtime_dir))
+        return ZmqSource(Endpoints(args.telemetry, args.control, args.token_file)), None
+    chooser = SelectingResolver(args.runtime_dir, selector(args))
+    return ZmqSource(chooser), chooser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pagectl.tui.app import PagectlTop
 
-    app = PagectlTop(build_source(args), record_path=args.record, stale_after=args.stale_after)
+    source, chooser = build_source(args)
+    app = PagectlTop(source, record_path=args.record, stale_after=args.stale_after, chooser=chooser)
     app.run()
     return 0

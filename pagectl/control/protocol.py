@@ -71,6 +71,11 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     control_endpoint: str
     # Path of the 0600 file holding the control token.
     token_file: str
+    # Tensor-parallel degree of the engine.
+    tp_size: int = 1
+    # The append-only JSON-lines audit file of accepted control commands ("" before v1.1
+    # daemons, which kept none).
+    audit_file: str = ""
     version: int = PROTOCOL_VERSION
 
 

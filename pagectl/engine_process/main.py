@@ -44,6 +44,8 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     telemetry_endpoint: str
     control_endpoint: str
     token_file: str
+    # The append-only JSON-lines audit file of control commands ("" keeps none).
+    audit_file: str = ""
     telemetry_hz: float = 10.0
 
 

@@ -18,6 +18,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
+from pagectl.control.protocol import RuntimeInfo
 from pagectl.engine.commands import Command, CommandError, InspectBlock
 from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
 from pagectl.tui.actions import ConsoleActions
@@ -31,10 +32,12 @@ from pagectl.tui.connection import (
     STALE,
     Connection,
 )
+from pagectl.tui.daemon_choice import SelectingResolver
 from pagectl.tui.history import History
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
 from pagectl.tui.recording import RecordWriter
+from pagectl.tui.screens.picker import DaemonPicker
 from pagectl.tui.source import AdminSource, PlaybackControl
 from pagectl.tui.widgets.block_detail import BlockDetail, Inspection
 from pagectl.tui.widgets.block_map import BlockMapView
@@ -97,9 +100,13 @@ class PagectlTop(ConsoleActions, App[None]):
         record_path: str | None = None,
         stale_after: float = 3.0,
         poll_interval: float = 0.25,
+        chooser: SelectingResolver | None = None,
     ) -> None:
         super().__init__()
         self.source = source
+        # Set when the source finds its daemon through a selector: with several daemons and
+        # no selector, a picker asks before the telemetry pump starts.
+        self.chooser = chooser
         # The source's replay controls (None: a live source). Resolved once: isinstance against a
         # runtime-checkable Protocol costs tens of microseconds, and the link update is per frame.
         self.playback: PlaybackControl | None = (
@@ -160,6 +167,19 @@ class PagectlTop(ConsoleActions, App[None]):
         self._refresh_panels()
         self.block_map.focus()
         self.set_interval(0.5, self._tick)
+        choices = self.chooser.choices() if self.chooser is not None else []
+        if choices:
+            runtime_dir = self.chooser.runtime_dir if self.chooser is not None else ""
+            self.push_screen(DaemonPicker(choices, runtime_dir or ""), self._picked)
+        else:
+            self._pump()
+
+    def _picked(self, info: RuntimeInfo | None) -> None:
+        if info is None:
+            self.exit()
+            return
+        assert self.chooser is not None
+        self.chooser.choose(info)
         self._pump()
 
     async def on_unmount(self) -> None:

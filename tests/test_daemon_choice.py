@@ -1,0 +1,167 @@
+"""Choosing a daemon: two real daemons (fake model) in one runtime directory, reached by
+``ctl --port/--url/--pid`` and ``top --url``, ``ctl`` refusing to guess, ``pagectl ls``, the
+console's picker, and stale runtime files cleaned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from test_tui_app import wait_until
+
+from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.runtime import live_runtimes, remove_stale_runtimes
+from pagectl.control.selection import (
+    AmbiguousRuntime,
+    Selector,
+    select_runtime,
+    url_matches,
+)
+from pagectl.testing.daemon_process import DaemonProcess
+from pagectl.tui.app import PagectlTop
+from pagectl.tui.connection import LIVE
+from pagectl.tui.daemon_choice import SelectingResolver
+from pagectl.tui.screens.picker import DaemonPicker
+from pagectl.tui.widgets.header import ConsoleHeader
+from pagectl.tui.zmq_source import ZmqSource
+
+FAKE = ["--engine-factory", "pagectl.testing.fake_engine:fake_engine", "--num-kv-blocks", "64"]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, tok_dir):
+    rt = tmp_path_factory.mktemp("rt")
+    daemons = [
+        DaemonProcess(rt, ["--model", str(tok_dir), "--served-model-name", name, *FAKE])
+        for name in ("alpha", "beta")
+    ]
+    try:
+        for d in daemons:  # both start at once: start-up is most of this module's time
+            d.launch()
+        for d in daemons:
+            d.wait_ready()
+        yield daemons
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def model_of(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["model"]
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def write_runtime(d, pid: int, port: int, start: float = 1.0) -> None:
+    d.mkdir(parents=True, mode=0o700)
+    info = RuntimeInfo(
+        pid=pid,
+        start_time=start,
+        model=f"m{port}",
+        http_url=f"http://0.0.0.0:{port}",
+        telemetry_endpoint="ipc:///nowhere/t",
+        control_endpoint="ipc:///nowhere/c",
+        token_file=str(d / "control.token"),
+    )
+    (d / "runtime.json").write_bytes(msgspec.json.encode(info))
+
+
+# -- selection rules (no daemon) ------------------------------------------------------------
+
+
+def test_url_matching():
+    assert url_matches("http://127.0.0.1:8000", "http://0.0.0.0:8000")
+    assert url_matches("localhost:8000", "http://127.0.0.1:8000")
+    assert not url_matches("http://127.0.0.1:8001", "http://127.0.0.1:8000")
+    assert not url_matches("http://10.0.0.2:8000", "http://10.0.0.3:8000")
+
+
+def test_select_and_clean_up_from_runtime_files(tmp_path):
+    me, gone = os.getpid(), dead_pid()
+    write_runtime(tmp_path / str(me), me, 8000, start=2.0)
+    write_runtime(tmp_path / str(gone), gone, 8001)
+    (tmp_path / "notes").mkdir()  # not a daemon's directory: never touched
+    assert [i.pid for i in live_runtimes(tmp_path)] == [me]
+    assert select_runtime(tmp_path).pid == me  # one live daemon: no selector needed
+    with pytest.raises(FileNotFoundError, match="matches --port 8001"):
+        select_runtime(tmp_path, Selector(port=8001))  # the dead one is not reachable
+    assert remove_stale_runtimes(tmp_path) == [tmp_path / str(gone)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([str(me), "notes"])
+
+
+# -- two daemons ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctl_reaches_the_chosen_daemon_and_refuses_to_guess(two):
+    alpha, beta = two
+    assert model_of(alpha.ctl("status", "--json")) == "alpha"  # DaemonProcess.ctl: --port
+    assert model_of(beta.ctl("status", "--json")) == "beta"
+    rt = str(alpha.runtime_dir)
+    ctl = ("ctl", "--runtime-dir", rt)
+    assert model_of(alpha.pagectl(*ctl, "--url", beta.base_url, "status", "--json")) == "beta"
+    assert model_of(alpha.pagectl(*ctl, "--pid", str(alpha.proc.pid), "status", "--json")) == (
+        "alpha"
+    )
+    r = alpha.pagectl(*ctl, "status")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "2 daemons" in r.stderr and "--port" in r.stderr
+    assert alpha.base_url in r.stderr and beta.base_url in r.stderr
+    r = alpha.pagectl(*ctl, "--port", "1", "status")
+    assert r.returncode == 3 and "matches --port 1" in r.stderr
+
+
+@pytest.mark.slow
+def test_ls_lists_both_and_removes_stale_runtime_files(two):
+    alpha, beta = two
+    gone = dead_pid()
+    write_runtime(alpha.runtime_dir / str(gone), gone, 9)
+    r = alpha.pagectl("ls", "--runtime-dir", str(alpha.runtime_dir))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["PID", "MODEL", "HTTP", "URL", "TP", "UPTIME", "STATE"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    assert rows[str(alpha.proc.pid)][1:4] == ["alpha", alpha.base_url, "1"]
+    assert rows[str(beta.proc.pid)][1:4] == ["beta", beta.base_url, "1"]
+    assert all(row[-1] == "running" for row in rows.values())
+    assert f"dead daemon {gone}" in r.stderr
+    assert not (alpha.runtime_dir / str(gone)).exists()
+    r = alpha.pagectl("ctl", "--runtime-dir", str(alpha.runtime_dir), "ls", "--json")
+    assert {json.loads(ln)["model"] for ln in r.stdout.splitlines()} == {"alpha", "beta"}
+
+
+@pytest.mark.slow
+async def test_top_url_attaches_to_the_chosen_daemon_and_shows_its_url(two):
+    alpha, beta = two
+    chooser = SelectingResolver(str(alpha.runtime_dir), Selector(url=beta.base_url))
+    app = PagectlTop(ZmqSource(chooser), chooser=chooser)
+    async with app.run_test(size=(160, 48)) as pilot:
+        assert await wait_until(pilot, lambda: app.link.state == LIVE, 20)
+        assert app.snapshot.model.model == "beta"
+        header = app.query_one(ConsoleHeader).render()
+        assert beta.base_url in str(getattr(header, "plain", header))
+
+
+@pytest.mark.slow
+async def test_top_without_a_selector_opens_a_picker(two):
+    alpha, beta = two
+    chooser = SelectingResolver(str(alpha.runtime_dir))
+    with pytest.raises(AmbiguousRuntime):
+        chooser()
+    app = PagectlTop(ZmqSource(chooser), chooser=chooser)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert await wait_until(pilot, lambda: isinstance(app.screen, DaemonPicker))
+        assert app.link.state != LIVE  # nothing attached before the operator picks
+        await pilot.press("down", "enter")  # the second (newer) daemon: beta
+        assert await wait_until(pilot, lambda: app.link.state == LIVE, 20)
+        assert app.snapshot.model.model == "beta"
+        assert chooser.selector == Selector(url=beta.base_url)
