@@ -63,6 +63,9 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
         t.append(f"{fmt.count(int(cfg.get('max_num_batched_tokens', 0)))} tok/step", style="bold")
         t.append(" · max seqs ", style="#8b949e")
         t.append(f"{cfg.get('max_num_seqs', '?')}", style="bold")
+        drain = draining(snap)
+        if drain:
+            t.append(f" {drain}", style="bold #d8a32b")
         t.append(" · prefix cache ", style="#8b949e")
         on = bool(cfg.get("enable_prefix_caching"))
         t.append("ON" if on else "OFF", style="bold #3fb950" if on else "bold #da3633")
@@ -76,6 +79,15 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
         t.append(" READ-ONLY ", style="bold #0d1117 on #8b949e")
         t.append(f" {link.read_only_reason}", style="#8b949e")
     return t
+
+
+def draining(snap: TelemetrySnapshot) -> str:
+    """ "draining to N (now M)" while more sequences run than the running cap allows (a
+    lowered cap never preempts: running sequences finish, admission waits); else ""."""
+    cap = snap.config.get("max_num_seqs")
+    if isinstance(cap, int) and not isinstance(cap, bool) and snap.num_running > cap:
+        return f"(draining to {cap}, now {snap.num_running})"
+    return ""
 
 
 def model_name(model: str) -> str:
