@@ -165,3 +165,45 @@ async def test_top_without_a_selector_opens_a_picker(two):
         assert await wait_until(pilot, lambda: app.link.state == LIVE, 20)
         assert app.snapshot.model.model == "beta"
         assert chooser.selector == Selector(url=beta.base_url)
+
+
+# -- the audit trail --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_the_audit_trail_of_two_clients(two):
+    alpha, _ = two
+    for argv in (
+        ("set", "max-num-seqs", "8"),
+        ("prefix-cache", "off"),
+        ("set", "max-num-seqs", "0"),
+    ):
+        alpha.ctl(*argv)
+    chooser = SelectingResolver(str(alpha.runtime_dir), Selector(port=alpha.port))
+    app = PagectlTop(ZmqSource(chooser), chooser=chooser)
+    async with app.run_test(size=(200, 60)) as pilot:
+        assert await wait_until(pilot, lambda: app.link.state == LIVE and app.control_ready, 20)
+        await pilot.press("space")  # pause
+        assert await wait_until(pilot, lambda: app.admission_paused, 10)
+        await pilot.press("space")  # resume
+        assert await wait_until(pilot, lambda: app.event_log.kind_counts["resume"] >= 1, 10)
+        shown = "\n".join(app.event_log.lines_text())
+    log = alpha.ctl("log")
+    assert log.returncode == 0, log.stderr
+    lines = log.stdout.splitlines()
+    assert len(lines) == 5, lines
+    assert "ctl@" in lines[0] and "set max_num_seqs: 256 -> 8  ok" in lines[0]
+    assert "prefix_cache enable_prefix_caching: on -> off  ok" in lines[1]
+    assert "REFUSED invalid_value" in lines[2]  # refused commands are recorded too
+    me = f"uid={os.getuid()} pid={os.getpid()} (peer)"  # the console: this process
+    assert "top@" in lines[3] and me in lines[3] and lines[3].split("  ")[2] == "pause"
+    assert "top@" in lines[4] and me in lines[4] and "resume" in lines[4]
+    assert all("(peer)" in ln for ln in lines)  # ipc: the kernel's credentials, not claims
+    records = [json.loads(x) for x in alpha.ctl("log", "--json").stdout.splitlines()]
+    assert records[0]["old"] == 256 and records[0]["new"] == 8
+    assert records[0]["credentials"] == "peer" and records[0]["outcome"] == "ok"
+    # The console showed the accepted ones in full: who, uid and pid.
+    assert "max_num_seqs: 256 -> 8 by ctl@" in shown and "peer)" in shown
+    assert "admission paused by top@" in shown and f"pid {os.getpid()}, peer" in shown
+    for argv in (("set", "max-num-seqs", "256"), ("prefix-cache", "on")):
+        alpha.ctl(*argv)

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagectl.cli.ls import add_ls_options
 
     add_ls_options(sub.add_parser("ls", help="list the running daemons (same as `pagectl ls`)"))
+    lg = sub.add_parser("log", help="the audit trail: every control command, who, old -> new")
+    lg.add_argument("--json", action="store_true", help="the records as JSON lines")
+    lg.add_argument("-n", type=int, default=0, metavar="N", help="only the last N records")
     st = sub.add_parser("status", help="config, KV usage, counters, requests")
     st.add_argument("--json", action="store_true", help="the full status as JSON")
     s = sub.add_parser("set", help="change a live setting, e.g. `set max-num-batched-tokens 4096`")
@@ -164,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         from pagectl.cli import ls
 
         return ls.run(args)
+    if args.control_endpoint and args.ctl_command == "log":
+        return err("`log` reads the daemon's runtime file: choose it with --url/--port/--pid", 2)
     if args.control_endpoint:
         endpoint = args.control_endpoint
         token = read_token(args.token_file) if args.token_file else None
@@ -175,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
             return err(str(e), EXIT_USAGE)
         except RuntimeNotFound as e:
             return err(str(e), EXIT_UNREACHABLE)
+        if args.ctl_command == "log":
+            return _print_log(info, args)
         endpoint, token, token_src = (
             info.control_endpoint,
             read_token(info.token_file),
@@ -200,6 +207,46 @@ def run(args: argparse.Namespace) -> int:
         print(_format_result(name, result), flush=True)
         if name == "set" and args.drain and result.get("name") == "max_num_seqs":
             return _wait_for_drain(client, int(result["new"]), args)
+    return 0
+
+
+def format_audit(rec) -> str:
+    """One line of the audit trail for people."""
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.time))
+    who = rec.client or "?"
+    if rec.credentials != "none":
+        who += f" uid={rec.uid} pid={rec.pid} ({rec.credentials})"
+    cmd = dict(rec.command)
+    what = str(cmd.pop("cmd", "?"))
+    if rec.name is not None:
+        what += f" {rec.name}: {_onoff(rec.old)} -> {_onoff(rec.new)}"
+    elif cmd:
+        what += " " + " ".join(f"{k}={_onoff(v)}" for k, v in cmd.items())
+    outcome = "ok" if rec.outcome == "ok" else f"REFUSED {rec.outcome}: {rec.message}"
+    return f"{when}  {who}  {what}  {outcome}"
+
+
+def _print_log(info, args: argparse.Namespace) -> int:
+    from pagectl.engine_process.audit import read_audit
+
+    if not info.audit_file:
+        print("pagectl ctl: this daemon keeps no audit file", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        records = read_audit(info.audit_file)
+    except FileNotFoundError:
+        records = []  # no command yet
+    except OSError as e:
+        print(f"pagectl ctl: cannot read {info.audit_file}: {e.strerror}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if args.n > 0:
+        records = records[-args.n :]
+    import msgspec
+
+    for rec in records:
+        print(msgspec.json.encode(rec).decode() if args.json else format_audit(rec))
     return 0
 
 

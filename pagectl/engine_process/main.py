@@ -23,6 +23,7 @@ import zmq
 
 from pagectl.control.runtime import read_token
 from pagectl.engine_process import wire
+from pagectl.engine_process.audit import AuditLog
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -172,6 +173,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token=token,
             telemetry_interval=1.0 / cfg.telemetry_hz,
             stop_event=stop,
+            audit=AuditLog(cfg.audit_file) if cfg.audit_file else None,
         )
         return loop.run()
     finally:
