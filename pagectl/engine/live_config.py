@@ -85,7 +85,6 @@ class LiveConfigMixin:
                 old=old,
                 new=value,
                 client=client,
-                running=running,
             )
         return old, value
 

@@ -20,7 +20,12 @@ from textual.widgets import Footer
 
 from pagectl.control.protocol import RuntimeInfo
 from pagectl.engine.commands import Command, CommandError, InspectBlock
-from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
+from pagectl.engine.telemetry import (
+    RequestRow,
+    TelemetrySnapshot,
+    decode_heartbeat,
+    is_heartbeat,
+)
 from pagectl.tui.actions import ConsoleActions
 from pagectl.tui.blockmodel import block_ids
 from pagectl.tui.connection import (
@@ -38,7 +43,7 @@ from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
 from pagectl.tui.recording import RecordWriter
 from pagectl.tui.screens.picker import DaemonPicker
-from pagectl.tui.source import AdminSource, PlaybackControl
+from pagectl.tui.source import AdminSource, Frame, PlaybackControl
 from pagectl.tui.widgets.block_detail import BlockDetail, Inspection
 from pagectl.tui.widgets.block_map import BlockMapView
 from pagectl.tui.widgets.event_log import EventLog
@@ -88,6 +93,7 @@ class PagectlTop(ConsoleActions, App[None]):
         Binding(
             "less_than_sign", "speed(0.5)", "Slower", key_display="<", id="pagectl.replay.slower"
         ),
+        Binding("e", "event_filter", "Events", id="pagectl.event_filter"),
         Binding("question_mark", "help", "Help", key_display="?", id="pagectl.help"),
         Binding("q", "quit", "Quit", id="pagectl.quit"),
     ]
@@ -129,6 +135,9 @@ class PagectlTop(ConsoleActions, App[None]):
         self._recorder: RecordWriter | None = None
         self._received_at: float | None = None
         self._last_seq: int | None = None
+        self.heartbeats_received = 0
+        # Seconds in the current step, from the newest heartbeat (0.0 after a snapshot).
+        self._busy_s = 0.0
 
     # -- layout -------------------------------------------------------------------------
 
@@ -206,6 +215,9 @@ class PagectlTop(ConsoleActions, App[None]):
             if frame is None:
                 self._tick()
                 continue
+            if is_heartbeat(frame.data):
+                self._heartbeat(frame)
+                continue
             self.frames_received += 1
             per = self.block_map.per
             try:
@@ -215,9 +227,22 @@ class PagectlTop(ConsoleActions, App[None]):
                 continue
             self.apply(prepared)
 
+    def _heartbeat(self, frame: Frame) -> None:
+        """The engine is alive between snapshots (maybe busy in a long step): the link stays
+        live, and the header says how long the step has run."""
+        try:
+            hb = decode_heartbeat(frame.data)
+        except Exception:
+            return
+        self.heartbeats_received += 1
+        self._received_at = frame.received_at
+        self._busy_s = hb.busy_s
+        self._tick()
+
     def apply(self, prepared: Prepared) -> None:
         """Show a prepared snapshot in every panel."""
         snap = prepared.snapshot
+        self._busy_s = 0.0
         if self._last_seq is not None and snap.seq > self._last_seq + 1:
             self.frames_skipped += snap.seq - self._last_seq - 1
         self._last_seq = snap.seq
@@ -279,6 +304,7 @@ class PagectlTop(ConsoleActions, App[None]):
             src.read_only_reason if not src.can_control else "",
             replay.speed if replay is not None else 1.0,
             replay.position() if replay is not None else None,
+            self._busy_s if state == LIVE else 0.0,
         )
         old = self.link
         self.link = link
@@ -301,6 +327,9 @@ class PagectlTop(ConsoleActions, App[None]):
     def control_ready(self) -> bool:
         """Commands can be sent: a control token, and a live link."""
         return self.source.can_control and self.link.state == LIVE
+
+    def action_event_filter(self) -> None:
+        self.event_log.cycle_filter()
 
     # -- selection ----------------------------------------------------------------------
 

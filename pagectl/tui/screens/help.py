@@ -25,6 +25,7 @@ KEYS = (
     ("enter", "map: ask the daemon about the selected block"),
     ("+ / - / 0", "map: zoom in / out / fit the whole pool"),
     ("s / S", "table: next sort column / reverse"),
+    ("e", "events: show all / config / preemption / cache / admission"),
     ("?", "this help"),
     ("q", "quit"),
 )

@@ -103,6 +103,8 @@ def render_link(link: Connection) -> Text:
     if link.state == LIVE:
         t.append("● live", style=LINK_STYLES[LIVE])
         t.append(f" {link.label}{age}", style="#8b949e")
+        if link.busy_s >= 1.0:
+            t.append(f" · busy in a step for {fmt.duration(link.busy_s)}", style="bold #d8a32b")
     elif link.state == STALE:
         t.append(" ● DISCONNECTED ", style=LINK_STYLES[STALE])
         t.append(f" no telemetry for {fmt.duration(link.age or 0)}", style="bold #ff7b72")
