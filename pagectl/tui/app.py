@@ -94,6 +94,7 @@ class PagectlTop(ConsoleActions, App[None]):
             "less_than_sign", "speed(0.5)", "Slower", key_display="<", id="pagectl.replay.slower"
         ),
         Binding("e", "event_filter", "Events", id="pagectl.event_filter"),
+        Binding("v", "view", "View", id="pagectl.view"),
         Binding("question_mark", "help", "Help", key_display="?", id="pagectl.help"),
         Binding("q", "quit", "Quit", id="pagectl.quit"),
     ]
@@ -136,6 +137,8 @@ class PagectlTop(ConsoleActions, App[None]):
         self._received_at: float | None = None
         self._last_seq: int | None = None
         self.heartbeats_received = 0
+        # The compact layout's extra panel (see ``VIEWS``).
+        self.view = "events"
         # Seconds in the current step, from the newest heartbeat (0.0 after a snapshot).
         self._busy_s = 0.0
 
@@ -173,6 +176,7 @@ class PagectlTop(ConsoleActions, App[None]):
         self.gauges.border_title = "KV usage"
         self.trends.border_title = "Over time"
         self.event_log.border_title = "Events"
+        self._apply_layout()
         self._refresh_panels()
         self.block_map.focus()
         self.set_interval(0.5, self._tick)
@@ -330,6 +334,41 @@ class PagectlTop(ConsoleActions, App[None]):
 
     def action_event_filter(self) -> None:
         self.event_log.cycle_filter()
+
+    # -- layout for small terminals -----------------------------------------------------
+
+    # Compact under this many columns or rows (80x24 and 100x30 are compact).
+    COMPACT_BELOW = (120, 36)
+    # What the compact layout shows besides map, KV usage, events and requests (the v key).
+    VIEWS = ("events", "trends", "detail")
+
+    @property
+    def compact(self) -> bool:
+        return self.screen_stack[0].has_class("-compact") if self.screen_stack else False
+
+    def on_resize(self, event) -> None:
+        self._apply_layout()
+
+    def _apply_layout(self) -> None:
+        if not self.screen_stack:
+            return
+        w, h = self.size
+        base = self.screen_stack[0]
+        compact = w < self.COMPACT_BELOW[0] or h < self.COMPACT_BELOW[1]
+        base.set_class(compact, "-compact")
+        for view in self.VIEWS[1:]:
+            base.set_class(compact and self.view == view, f"-view-{view}")
+        others = {"events": "v: over time", "trends": "v: selection", "detail": "v: events"}
+        hint = others[self.view] if compact else ""
+        self.event_log.border_subtitle = hint if self.view == "events" else ""
+        self.trends.border_subtitle = hint if self.view == "trends" else ""
+        self.detail.border_subtitle = hint if self.view == "detail" else ""
+
+    def action_view(self) -> None:
+        """Compact layout: show Over time, then Selection, then back to events only."""
+        self.view = self.VIEWS[(self.VIEWS.index(self.view) + 1) % len(self.VIEWS)]
+        self._apply_layout()
+        self._refresh_panels()
 
     # -- selection ----------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ KEYS = (
     ("+ / - / 0", "map: zoom in / out / fit the whole pool"),
     ("s / S", "table: next sort column / reverse"),
     ("e", "events: show all / config / preemption / cache / admission"),
+    ("v", "small terminals: show Over time, then Selection, then events again"),
     ("?", "this help"),
     ("q", "quit"),
 )

@@ -64,7 +64,9 @@ class EventLog(RichLog, can_focus=False):
     """
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(id=id, classes=classes, max_lines=_KEPT, wrap=True, markup=False)
+        super().__init__(
+            id=id, classes=classes, max_lines=_KEPT, wrap=True, markup=False, min_width=20
+        )
         self.last_event_id = 0
         self._start_time: float | None = None
         # Daemon events shown so far, by kind.

@@ -29,10 +29,23 @@ class ConsoleHeader(Static):
     """Two lines: the model and pool, then the link and the live configuration."""
 
     def show(self, snap: TelemetrySnapshot | None, link: Connection) -> None:
-        self.update(render_header(snap, link))
+        self.update(render_header(snap, link, self.size.width or None))
 
 
-def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
+def render_header(
+    snap: TelemetrySnapshot | None, link: Connection, width: int | None = None
+) -> Text:
+    """Two lines, each cut to ``width`` (the most important facts come first)."""
+    t = _render_header(snap, link)
+    if width is None:
+        return t
+    lines = t.split("\n")
+    for line in lines:
+        line.truncate(width, overflow="ellipsis")
+    return Text("\n").join(lines)
+
+
+def _render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(" pagectl top ", style="bold #0d1117 on #c9d1d9")
     if snap is None:
@@ -40,6 +53,13 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
     else:
         m = snap.model
         b = snap.blocks
+        state = snap.engine_state
+        t.append(" ")
+        if link.state == STALE:
+            # The engine's state is unknown while the link is down: the last one seen, dimmed.
+            t.append(f" last seen {state} ", style="#8b949e on #30363d")
+        else:
+            t.append(f" {state.upper()} ", style=ENGINE_STATE_STYLES.get(state, "reverse"))
         t.append(f"  {model_name(m.model)}", style="bold")
         t.append(f" · {m.dtype or '?'} · {m.device or '?'} · TP {m.tp_size}", style="#8b949e")
         t.append("   KV ", style="#8b949e")
@@ -51,9 +71,6 @@ def render_header(snap: TelemetrySnapshot | None, link: Connection) -> Text:
                 t.append(f" ({fmt.size(m.kv_bytes_per_rank)}/rank)", style="#8b949e")
         t.append("   up ", style="#8b949e")
         t.append(fmt.duration(snap.time - snap.start_time))
-        t.append("   ")
-        state = snap.engine_state
-        t.append(f" {state.upper()} ", style=ENGINE_STATE_STYLES.get(state, "reverse"))
     t.append("\n")
     t.append(" ")
     t.append_text(render_link(link))
