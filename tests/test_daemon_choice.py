@@ -118,6 +118,10 @@ def test_ctl_reaches_the_chosen_daemon_and_refuses_to_guess(two):
     assert alpha.base_url in r.stderr and beta.base_url in r.stderr
     r = alpha.pagectl(*ctl, "--port", "1", "status")
     assert r.returncode == 3 and "matches --port 1" in r.stderr
+    # The verdicts over a short look at the telemetry: an idle daemon needs no change.
+    r = alpha.ctl("status", "--window", "2.5")
+    assert r.returncode == 0 and "verdicts  none over the last 2.5s" in r.stdout
+    assert json.loads(alpha.ctl("status", "--json", "--window", "2.5").stdout)["verdicts"] == []
 
 
 @pytest.mark.slow

@@ -40,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lg.add_argument("-n", type=int, default=0, metavar="N", help="only the last N records")
     st = sub.add_parser("status", help="config, KV usage, counters, requests")
     st.add_argument("--json", action="store_true", help="the full status as JSON")
+    st.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        metavar="S",
+        help="watch the telemetry for S seconds and print the verdicts (what to change) it "
+        "gives; 0 skips them (default 3, and 0 with --json)",
+    )
     s = sub.add_parser("set", help="change a live setting, e.g. `set max-num-batched-tokens 4096`")
     s.add_argument(
         "key",
@@ -200,14 +208,47 @@ def run(args: argparse.Namespace) -> int:
             return err(f"refused ({e.kind}): {e.message}", EXIT_REFUSED)
         name = args.ctl_command
         if name == "status":
-            print(
-                json.dumps(result, indent=2, sort_keys=True) if args.json else format_status(result)
-            )
+            telemetry = None if args.control_endpoint else info.telemetry_endpoint
+            secs = args.window if args.window is not None else (0.0 if args.json else 3.0)
+            found = _verdicts(telemetry, secs) if telemetry and secs > 0 else None
+            if args.json:
+                if found is not None:
+                    result["verdicts"] = [
+                        {"rule": v.rule, "knob": v.knob, "message": v.message} for v in found
+                    ]
+                print(json.dumps(result, indent=2, sort_keys=True))
+                return 0
+            print(format_status(result))
+            if found is not None:
+                print(format_verdicts(found, secs))
             return 0
         print(_format_result(name, result), flush=True)
         if name == "set" and args.drain and result.get("name") == "max_num_seqs":
             return _wait_for_drain(client, int(result["new"]), args)
     return 0
+
+
+def _verdicts(endpoint: str, seconds: float) -> list:
+    """The verdict rules over ``seconds`` of the daemon's telemetry."""
+    import time
+
+    from pagectl.control.client import TelemetrySubscriber
+    from pagectl.control.verdicts import slim, verdicts
+
+    history: list = []
+    deadline = time.monotonic() + seconds
+    with TelemetrySubscriber(endpoint) as sub:
+        while (left := deadline - time.monotonic()) > 0:
+            snap = sub.recv(timeout=left)
+            if snap is not None and (not history or snap.time - history[-1].time >= 0.5):
+                history.append(slim(snap))
+    return verdicts(history)
+
+
+def format_verdicts(found: list, seconds: float) -> str:
+    if not found:
+        return f"verdicts  none over the last {seconds:g}s"
+    return "\n".join(f"{'verdicts' if i == 0 else '':<9} {v.message}" for i, v in enumerate(found))
 
 
 def format_audit(rec) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 from textual import work
@@ -19,6 +20,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
 from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.verdicts import Verdict, slim, verdicts
 from pagectl.engine.commands import Command, CommandError, InspectBlock
 from pagectl.engine.telemetry import (
     RequestRow,
@@ -52,6 +54,7 @@ from pagectl.tui.widgets.header import ConsoleHeader
 from pagectl.tui.widgets.legend import Legend
 from pagectl.tui.widgets.requests_table import RequestsTable
 from pagectl.tui.widgets.trends import Trends
+from pagectl.tui.widgets.verdict_bar import VerdictBar
 
 
 class PagectlTop(ConsoleActions, App[None]):
@@ -137,6 +140,9 @@ class PagectlTop(ConsoleActions, App[None]):
         self._received_at: float | None = None
         self._last_seq: int | None = None
         self.heartbeats_received = 0
+        # A minute of slim snapshots, one a second, for the verdict rules; their findings.
+        self.verdict_history: deque[TelemetrySnapshot] = deque(maxlen=61)
+        self.verdicts: list[Verdict] = []
         # The compact layout's extra panel (see ``VIEWS``).
         self.view = "events"
         # Seconds in the current step, from the newest heartbeat (0.0 after a snapshot).
@@ -154,7 +160,9 @@ class PagectlTop(ConsoleActions, App[None]):
         self.trends = Trends(id="trends")
         self.event_log = EventLog(id="events")
         self.requests_table = RequestsTable(id="requests")
+        self.verdict_bar = VerdictBar(id="verdicts")
         yield self.header_panel
+        yield self.verdict_bar
         with Vertical(id="body") as body:
             self.body = body
             with Horizontal(id="top"):
@@ -177,6 +185,7 @@ class PagectlTop(ConsoleActions, App[None]):
         self.trends.border_title = "Over time"
         self.event_log.border_title = "Events"
         self._apply_layout()
+        self.verdict_bar.show([])
         self._refresh_panels()
         self.block_map.focus()
         self.set_interval(0.5, self._tick)
@@ -253,12 +262,24 @@ class PagectlTop(ConsoleActions, App[None]):
         self.current = prepared
         self._received_at = prepared.received_at
         self.history.update(snap)
+        self._judge(snap)
         self.block_map.set_states(prepared.states, prepared.cells)
         self.event_log.show_events(snap.events, snap.start_time)
         self.requests_table.show_rows(snap.requests)
         self._update_spotlight()
         self._refresh_panels()
         self.frames_applied += 1
+
+    def _judge(self, snap: TelemetrySnapshot) -> None:
+        """Keep a slim snapshot a second (a minute of them) and rerun the verdict rules."""
+        hist = self.verdict_history
+        if hist and (snap.start_time != hist[-1].start_time or snap.time < hist[-1].time):
+            hist.clear()  # another daemon, or a restart
+        if hist and snap.time - hist[-1].time < 1.0:
+            return
+        hist.append(slim(snap))
+        self.verdicts = verdicts(hist)
+        self.verdict_bar.show(self.verdicts)
 
     @property
     def snapshot(self) -> TelemetrySnapshot | None:
