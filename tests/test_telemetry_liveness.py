@@ -186,3 +186,18 @@ async def test_preemption_storm_short(tmp_path):
 @pytest.mark.extended
 async def test_preemption_storm_60s(tmp_path):
     await storm(tmp_path, 60.0)
+
+
+def test_a_stale_link_shows_the_last_seen_state_not_a_running_badge():
+    from pagectl.tui.connection import Connection
+    from pagectl.tui.widgets.header import render_header
+
+    snap = busy_snapshots()[-1]
+    live = render_header(snap, Connection(LIVE, "http://h:1", 0.1)).plain
+    stale = render_header(snap, Connection(STALE, "http://h:1", 9.0)).plain
+    assert " RUNNING " in live and "DISCONNECTED" not in live
+    assert "DISCONNECTED" in stale and "RUNNING" not in stale and "last seen running" in stale
+    # Cut to the terminal's width line by line: the second line (the link) never vanishes.
+    narrow = render_header(snap, Connection(STALE, "http://h:1", 9.0), 80).plain.split("\n")
+    assert len(narrow) == 2 and all(len(x) <= 80 for x in narrow)
+    assert "DISCONNECTED" in narrow[1]

@@ -312,10 +312,19 @@ async def test_arrow_keys_move_the_cursor_and_a_range_cell_shows_counts():
         await pilot.press("minus")  # zoom out of a fitted map: stays fitted
         await pilot.press("plus")  # zoom in: finer cells, map scrolls
         await pilot.pause()
-        assert block_map.grid.per < per and block_map.zoom_per == block_map.grid.per
+        fine = block_map.grid.per
+        assert fine < per and block_map.zoom_per == fine
+        # The selection follows the zoom: the cursor's cell now covers fewer blocks, and the
+        # Selection panel says which (it used to keep the old range).
+        first = block_map.cursor_block
+        assert app.selection == (first, first + fine - 1)
+        assert f"blocks {first:,}–{first + fine - 1:,} ({fine:,})" in text_of(
+            app.query_one(BlockDetail)
+        )
         await pilot.press("0")
         await pilot.pause()
         assert block_map.grid.per == per and block_map.zoom_per is None
+        assert app.selection[1] - app.selection[0] + 1 == per
 
 
 async def test_highlighting_a_request_spotlights_its_blocks():
