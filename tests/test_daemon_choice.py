@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -211,3 +212,39 @@ async def test_the_audit_trail_of_two_clients(two):
     assert "admission paused by top@" in shown and f"pid {os.getpid()}, peer" in shown
     for argv in (("set", "max-num-seqs", "256"), ("prefix-cache", "on")):
         alpha.ctl(*argv)
+
+
+# -- scripting ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_top_once_json_and_ctl_watch(two):
+    alpha, beta = two
+    rt = str(alpha.runtime_dir)
+    r = alpha.pagectl("top", "--runtime-dir", rt, "--port", str(beta.port), "--once", "--json")
+    assert r.returncode == 0, r.stderr
+    snap = json.loads(r.stdout)
+    assert snap["model"]["model"] == "beta" and snap["daemon"]["http_url"] == beta.base_url
+    assert snap["blocks"]["num_blocks"] == 64 and "counters" in snap
+    r = alpha.pagectl("top", "--runtime-dir", rt, "--once")  # two daemons: never a guess
+    assert r.returncode == 2 and "2 daemons" in r.stderr
+    r = alpha.pagectl("top", "--runtime-dir", rt, "--pid", str(alpha.proc.pid), "--once")
+    assert r.returncode == 0 and "alpha" in r.stdout and "KV blocks" in r.stdout
+    r = alpha.ctl("watch", "--count", "2", "--interval", "0.3")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["time", "running", "waiting", "kv%", "tok/s", "hit%", "preempt"]
+    assert len(lines) == 3 and lines[2].split()[1:4] == ["0", "0", "0%"]
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_is_not_a_traceback(two):
+    alpha, _ = two
+    argv = [sys.executable, "-m", "pagectl", "ctl", "--runtime-dir", str(alpha.runtime_dir)]
+    argv += ["--port", str(alpha.port), "watch", "--count", "20", "--interval", "0.1"]
+    cmd = " ".join(map(shlex.quote, argv)) + " | head -n 1"
+    r = subprocess.run(
+        ["bash", "-c", "set -o pipefail; " + cmd], capture_output=True, text=True, env=alpha.env
+    )
+    assert r.stdout.startswith("time") and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 141

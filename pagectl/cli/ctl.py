@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagectl.cli.ls import add_ls_options
 
     add_ls_options(sub.add_parser("ls", help="list the running daemons (same as `pagectl ls`)"))
+    wt = sub.add_parser(
+        "watch", help="a line a second: running, waiting, KV%%, tok/s, hit rate, preemptions"
+    )
+    wt.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds per line")
+    wt.add_argument("--count", type=int, default=0, metavar="N", help="stop after N lines")
     lg = sub.add_parser("log", help="the audit trail: every control command, who, old -> new")
     lg.add_argument("--json", action="store_true", help="the records as JSON lines")
     lg.add_argument("-n", type=int, default=0, metavar="N", help="only the last N records")
@@ -175,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
         from pagectl.cli import ls
 
         return ls.run(args)
-    if args.control_endpoint and args.ctl_command == "log":
-        return err("`log` reads the daemon's runtime file: choose it with --url/--port/--pid", 2)
+    if args.control_endpoint and args.ctl_command in ("log", "watch"):
+        return err(
+            f"`{args.ctl_command}` reads the daemon's runtime file: choose the daemon with "
+            "--url/--port/--pid",
+            EXIT_USAGE,
+        )
     if args.control_endpoint:
         endpoint = args.control_endpoint
         token = read_token(args.token_file) if args.token_file else None
@@ -190,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
             return err(str(e), EXIT_UNREACHABLE)
         if args.ctl_command == "log":
             return _print_log(info, args)
+        if args.ctl_command == "watch":
+            from pagectl.cli.snapshot_out import watch
+
+            return watch(info.telemetry_endpoint, args.interval, args.count, args.timeout)
         endpoint, token, token_src = (
             info.control_endpoint,
             read_token(info.token_file),

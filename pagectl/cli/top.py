@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speed", type=float, default=1.0, help="replay speed (default 1; > and < change it live)"
     )
     p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one snapshot and exit, no console (with several daemons, choose one)",
+    )
+    p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    p.add_argument(
         "--stale-after",
         type=float,
         default=3.0,
@@ -63,9 +69,44 @@ def run(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         print("pagectl top: --speed must be > 0")
         return 2
+    if args.json and not args.once:
+        print("pagectl top: --json needs --once")
+        return 2
+    if args.once:
+        return _once(args)
     from pagectl.tui.app import PagectlTop
 
     source, chooser = build_source(args)
     app = PagectlTop(source, record_path=args.record, stale_after=args.stale_after, chooser=chooser)
     app.run()
+    return 0
+
+
+def _once(args: argparse.Namespace) -> int:
+    """``--once``: one snapshot on stdout (text, or JSON with ``--json``), exit 3 when no
+    daemon or no telemetry within 5 s, 2 when several daemons and none chosen."""
+    import sys
+
+    from pagectl.cli.snapshot_out import recv_one, snapshot_json, snapshot_text
+    from pagectl.control.runtime import RuntimeNotFound
+    from pagectl.control.selection import AmbiguousRuntime, select_runtime
+
+    info = None
+    if args.telemetry:
+        endpoint = args.telemetry
+    else:
+        try:
+            info = select_runtime(args.runtime_dir, selector(args))
+        except AmbiguousRuntime as e:
+            print(f"pagectl top: {e}", file=sys.stderr)
+            return 2
+        except RuntimeNotFound as e:
+            print(f"pagectl top: {e}", file=sys.stderr)
+            return 3
+        endpoint = info.telemetry_endpoint
+    snap = recv_one(endpoint, 5.0)
+    if snap is None:
+        print(f"pagectl top: no telemetry from {endpoint} within 5s", file=sys.stderr)
+        return 3
+    print(snapshot_json(snap, info) if args.json else snapshot_text(snap, info))
     return 0
