@@ -248,3 +248,44 @@ def test_a_closed_pipe_is_not_a_traceback(two):
     )
     assert r.stdout.startswith("time") and "Traceback" not in r.stderr, r.stderr
     assert r.returncode == 141
+
+
+# -- text in the inspector ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_the_inspector_shows_a_block_as_text_with_ids_a_key_away(two):
+    import urllib.request
+
+    from pagectl.tui.detokenize import Detokenizer
+    from pagectl.tui.widgets.block_map import BlockMapView
+
+    alpha, _ = two
+    prompt = "The operator reads every cached block as text, not as a row of token ids. " * 2
+    body = json.dumps({"model": "alpha", "prompt": prompt, "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        alpha.base_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    chooser = SelectingResolver(str(alpha.runtime_dir), Selector(port=alpha.port))
+    detok = Detokenizer(lambda: chooser.info.tokenizer_path if chooser.info else None)
+    app = PagectlTop(ZmqSource(chooser), chooser=chooser, detokenizer=detok)
+    async with app.run_test(size=(160, 48)) as pilot:
+        assert await wait_until(pilot, lambda: app.link.state == LIVE and app.control_ready, 20)
+        cached = app.snapshot.blocks.hashed.index(1)  # a full block the prompt left cached
+        app.query_one(BlockMapView).select_cell(cached)
+        assert await wait_until(
+            pilot, lambda: app.inspection is not None and app.inspection.status == "ok", 20
+        )
+        text = app.inspection.result["text"]
+        assert len(text) >= 8 and text in prompt  # the block's 16 tokens, decoded
+        shown = str(app.detail.render())
+        assert "text   " in shown and text[:20] in shown and "i: ids" in shown
+        await pilot.press("i")
+        shown = str(app.detail.render())
+        ids = app.inspection.result["token_ids"]
+        assert f"tokens [{ids[0]}, {ids[1]}" in shown and "i: text" in shown
+    r = alpha.ctl("inspect-block", str(cached))  # ctl decodes on its side too
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == text

@@ -235,10 +235,19 @@ def run(args: argparse.Namespace) -> int:
             if found is not None:
                 print(format_verdicts(found, secs))
             return 0
+        if name == "inspect-block" and not args.control_endpoint and info.tokenizer_path:
+            result["text"] = _detokenize(info.tokenizer_path, result.get("token_ids") or [])
         print(_format_result(name, result), flush=True)
         if name == "set" and args.drain and result.get("name") == "max_num_seqs":
             return _wait_for_drain(client, int(result["new"]), args)
     return 0
+
+
+def _detokenize(path: str, ids: list[int]) -> str | None:
+    """The block's text with the model's tokenizer, here (the engine answers with ids)."""
+    from pagectl.tui.detokenize import Detokenizer
+
+    return Detokenizer(lambda: path).decode(ids) if ids else ""
 
 
 def _verdicts(endpoint: str, seconds: float) -> list:

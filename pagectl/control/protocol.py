@@ -82,6 +82,9 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     # The append-only JSON-lines audit file of accepted control commands ("" before v1.1
     # daemons, which kept none).
     audit_file: str = ""
+    # Where clients load the model's tokenizer to show token ids as text ("" when the model
+    # has none).
+    tokenizer_path: str = ""
     version: int = PROTOCOL_VERSION
 
 

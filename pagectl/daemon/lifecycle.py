@@ -180,6 +180,7 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
             token_file=str(ddir.token_file),
             tp_size=ready.model_info.tp_size,
             audit_file=str(ddir.audit_file),
+            tokenizer_path=ready.tokenizer_path or "",
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")

@@ -40,6 +40,7 @@ from pagectl.tui.connection import (
     Connection,
 )
 from pagectl.tui.daemon_choice import SelectingResolver
+from pagectl.tui.detokenize import Detokenizer
 from pagectl.tui.history import History
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
@@ -98,6 +99,7 @@ class PagectlTop(ConsoleActions, App[None]):
         ),
         Binding("e", "event_filter", "Events", id="pagectl.event_filter"),
         Binding("v", "view", "View", id="pagectl.view"),
+        Binding("i", "token_ids", "Ids/text", show=False, id="pagectl.token_ids"),
         Binding("question_mark", "help", "Help", key_display="?", id="pagectl.help"),
         Binding("q", "quit", "Quit", id="pagectl.quit"),
     ]
@@ -111,12 +113,16 @@ class PagectlTop(ConsoleActions, App[None]):
         stale_after: float = 3.0,
         poll_interval: float = 0.25,
         chooser: SelectingResolver | None = None,
+        detokenizer: Detokenizer | None = None,
     ) -> None:
         super().__init__()
         self.source = source
         # Set when the source finds its daemon through a selector: with several daemons and
         # no selector, a picker asks before the telemetry pump starts.
         self.chooser = chooser
+        # Turns inspected token ids into text, in a worker thread (None: ids only, or the
+        # text the source itself supplies).
+        self.detokenizer = detokenizer
         # The source's replay controls (None: a live source). Resolved once: isinstance against a
         # runtime-checkable Protocol costs tens of microseconds, and the link update is per frame.
         self.playback: PlaybackControl | None = (
@@ -353,6 +359,11 @@ class PagectlTop(ConsoleActions, App[None]):
         """Commands can be sent: a control token, and a live link."""
         return self.source.can_control and self.link.state == LIVE
 
+    def action_token_ids(self) -> None:
+        """The inspected block's tokens as ids or as text."""
+        self.detail.show_ids = not self.detail.show_ids
+        self._refresh_detail()
+
     def action_event_filter(self) -> None:
         self.event_log.cycle_filter()
 
@@ -438,6 +449,12 @@ class PagectlTop(ConsoleActions, App[None]):
             await asyncio.sleep(delay)  # the next cursor move cancels this one
         try:
             result = await self.source.send(InspectBlock(block_id))
+            detok = self.detokenizer
+            if detok is not None and "text" not in result and result.get("token_ids"):
+                result = dict(result)
+                result["text"] = await asyncio.to_thread(detok.decode, result["token_ids"])
+                if result["text"] is None:
+                    result["text_error"] = detok.error
             self.inspection = Inspection(block_id, result, "ok")
         except CommandError as e:
             self.inspection = Inspection(block_id, None, f"{e.kind}: {e.message}")

@@ -20,9 +20,12 @@ class SelectingResolver:
     def __init__(self, runtime_dir: str | None, selector: Selector | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.selector = selector or Selector()
+        # The runtime file of the daemon found last (None: none yet).
+        self.info: RuntimeInfo | None = None
 
     def __call__(self) -> Endpoints:
         info = select_runtime(self.runtime_dir, self.selector)
+        self.info = info
         return Endpoints(
             info.telemetry_endpoint, info.control_endpoint, info.token_file, info.http_url
         )
