@@ -193,7 +193,7 @@ async def test_refusals_are_shown_and_logged():
         _, ok, text = app.answers[-1]
         assert not ok
         assert "invalid_value" in text and "must be in [1, 1024]" in text
-        log = "\n".join(strip.text for strip in app.query_one(EventLog).lines)
+        log = "\n".join(app.query_one(EventLog).lines_text())  # entries; the panel wraps them
         assert "refused: invalid_value" in log
 
 
@@ -247,7 +247,7 @@ async def test_panels_show_the_snapshot_figures():
         assert doc2.state == "preempted" and doc2.num_preemptions == 1
         assert [str(c) for c in table.get_row("sample#1")][7] == "3/4"
 
-        log = "\n".join(strip.text for strip in app.query_one(EventLog).lines)
+        log = "\n".join(app.query_one(EventLog).lines_text())  # entries; the panel wraps them
         assert "max_num_batched_tokens: 256 -> 192 by ctl@ops:4242" in log
         assert "preempted doc-2 (kv_blocks)" in log
 
@@ -389,7 +389,7 @@ async def test_stale_telemetry_is_marked_and_recovers():
         src.push(snaps[-1], received_at=clock.t)
         await settle(pilot, app, len(snaps) + 1)
         assert app.link.state == LIVE and not app.query_one("#body").has_class("-stale")
-        log = "\n".join(strip.text for strip in app.query_one(EventLog).lines)
+        log = "\n".join(app.query_one(EventLog).lines_text())  # entries; the panel wraps them
         assert "telemetry lost" in log and "telemetry back" in log
 
 
