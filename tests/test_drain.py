@@ -4,6 +4,8 @@ the change (a real tiny Qwen3 in float32)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagectl.engine.commands import SetConfig
@@ -77,3 +79,47 @@ def test_lowering_the_caps_under_load_drains_without_preempting(llm, change):
     assert "(draining: 32 running)" in config_events[-1].message
     llm.core.apply_command(SetConfig("max_num_seqs", 32))
     llm.core.apply_command(SetConfig("max_num_batched_tokens", budget))
+
+
+def test_ctl_set_drain_waits_until_the_cap_holds(tmp_path):
+    """`ctl set max-num-seqs 2 --drain` against the real engine loop under load: it prints
+    the count as it falls and returns once at most 2 run; nothing is preempted."""
+    import subprocess
+    import sys
+    import threading
+
+    from loop_harness import LoopThread
+
+    engine = LoopThread(tmp_path, step_delay_s=0.01, num_kv_blocks=512).start()
+    stop = threading.Event()
+
+    def read_outputs() -> None:
+        while not stop.is_set():
+            engine.drain_outputs()
+            stop.wait(0.02)
+
+    reader = threading.Thread(target=read_outputs, daemon=True)
+    try:
+        for i in range(12):
+            engine.submit([3 + i] * 8, max_tokens=40 + 10 * i)
+        reader.start()
+        deadline = time.monotonic() + 20
+        while engine.core.scheduler.num_running < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ep = engine.endpoints
+        r = subprocess.run(
+            [sys.executable, "-m", "pagectl", "ctl", "--control-endpoint", ep.control,
+             "--token-file", ep.token_file, "set", "max-num-seqs", "2", "--drain"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "max_num_seqs: 32 -> 2"
+        assert lines[1].startswith("draining to 2 (now ")
+        counts = [int(x.split("now ")[1].rstrip(")")) for x in lines[1:-1]]
+        assert counts == sorted(counts, reverse=True) and counts[0] > 2
+        assert lines[-1].startswith("drained: ") and int(lines[-1].split()[1]) <= 2
+        assert engine.core.scheduler.counters.preemptions == 0
+    finally:
+        stop.set()
+        engine.stop()
