@@ -289,7 +289,10 @@ async def test_selecting_a_block_inspects_it():
         assert (
             "owners chat-3, sample, sample#1, sample#2  (table position 0: tokens 0–15)" in detail
         )
-        assert "refcount 4" in detail and "hash " in detail and "tokens [" in detail
+        assert "refcount 4" in detail and "hash " in detail and "text   t0 t1" in detail
+        await pilot.press("i")  # the ids a key away
+        assert "tokens [0, 1, 2" in text_of(app.query_one(BlockDetail))
+        await pilot.press("i")
 
 
 async def test_arrow_keys_move_the_cursor_and_a_range_cell_shows_counts():
