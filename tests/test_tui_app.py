@@ -427,7 +427,9 @@ async def test_record_then_replay_with_pause_and_speed(tmp_path):
     recorded = list(read_recording(path))
     assert [decode_seq(data) for _, data in recorded] == [s.seq for s in snaps]
 
-    replay = ReplaySource(path)  # snapshots 1 s apart, played in real time
+    # Snapshots 1 s apart, played at a quarter speed: the first key press lands well before
+    # the end even on a loaded machine.
+    replay = ReplaySource(path, speed=0.25)
     app = PagectlTop(replay)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app, 1)
@@ -436,8 +438,8 @@ async def test_record_then_replay_with_pause_and_speed(tmp_path):
         await pilot.press("space")
         assert replay.paused and app.link.state == "replay paused"
         await pilot.press("less_than_sign")
-        assert replay.speed == 0.5
-        await pilot.press(*["greater_than_sign"] * 7)
+        assert replay.speed == 0.125
+        await pilot.press(*["greater_than_sign"] * 9)
         assert replay.speed == 64.0
         await pilot.press("space")
         await wait_until(pilot, lambda: app.snapshot.seq >= snaps[-1].seq)
