@@ -11,8 +11,9 @@ which existing directories it accepts -- it never chmods one)::
         telemetry.sock control.sock          admin channel (ipc://)
         engine-in.sock engine-out.sock       API server <-> engine (internal)
 
-``find_runtime`` picks the newest runtime file whose pid is alive, so ``pagectl top`` and
-``pagectl ctl`` need no arguments when one daemon runs.
+``live_runtimes`` lists the daemons whose pid is alive; ``remove_stale_runtimes`` removes
+the directories of dead ones. ``find_runtime`` picks the newest live daemon (choosing one
+among several with a selector is ``pagectl.control.selection``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ RUNTIME_FILE = "runtime.json"
 TOKEN_FILE = "control.token"
 # Where the sockets went when the daemon's directory was too long for a socket name.
 SOCKET_DIR_FILE = "socket-dir"
+AUDIT_FILE = "audit.jsonl"
 # sun_path holds 108 bytes on Linux (104 on macOS); longer socket paths move to a private
 # short directory from ``tempfile.mkdtemp`` (0700 as well).
 _MAX_IPC_PATH = 100
@@ -175,6 +177,7 @@ class DaemonDir:
         self.path = _fresh_private_dir(self.runtime_dir / str(pid or os.getpid()))
         self.token_file = self.path / TOKEN_FILE
         self.runtime_file = self.path / RUNTIME_FILE
+        self.audit_file = self.path / AUDIT_FILE
         # Where sockets go when ``path`` is too long for a socket name.
         self._socket_dir: Path | None = None
 
@@ -236,6 +239,68 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _candidates(base: Path) -> list[Path]:
+    if base.is_file():
+        return [base]
+    if (base / RUNTIME_FILE).is_file():
+        return [base / RUNTIME_FILE]
+    return sorted(base.glob(f"*/{RUNTIME_FILE}"))
+
+
+def live_runtimes(runtime_dir: str | os.PathLike | None = None) -> list[RuntimeInfo]:
+    """The runtime info of every live daemon, oldest first.
+
+    Args:
+        runtime_dir: a runtime directory (default: ``default_runtime_dir()``), one daemon's
+            directory inside it, or a runtime file.
+    """
+    base = Path(runtime_dir).expanduser() if runtime_dir else default_runtime_dir()
+    found: list[RuntimeInfo] = []
+    for path in _candidates(base):
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            info = read_runtime_file(path)
+            if pid_alive(info.pid):
+                found.append(info)
+    return sorted(found, key=lambda i: i.start_time)
+
+
+def remove_stale_runtimes(runtime_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the directories that dead daemons left in the runtime directory.
+
+    A daemon's directory is named by its pid; it is stale when that pid is not alive (a
+    daemon killed with SIGKILL, a crash). Only directories named by a pid and owned by this
+    user are touched; a starting daemon (no runtime file yet) is alive, so it is kept.
+    Returns the directories removed.
+    """
+    base = Path(runtime_dir).expanduser() if runtime_dir else default_runtime_dir()
+    removed: list[Path] = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not d.name.isdigit():
+            continue
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not os.path.isdir(d) or d.is_symlink() or st.st_uid != os.getuid():
+            continue
+        if pid_alive(int(d.name)):
+            continue
+        # A dead daemon's sockets may have lived in a short private directory.
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            info = read_runtime_file(d / RUNTIME_FILE)
+            for ep in (info.telemetry_endpoint, info.control_endpoint):
+                sock_dir = Path(ep.removeprefix("ipc://")).parent
+                if ep.startswith("ipc://") and sock_dir.name.startswith("pagectl-"):
+                    shutil.rmtree(sock_dir, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 def find_runtime(runtime_dir: str | os.PathLike | None = None) -> RuntimeInfo:
     """The runtime info of the newest live daemon.
 
@@ -246,22 +311,15 @@ def find_runtime(runtime_dir: str | os.PathLike | None = None) -> RuntimeInfo:
     Raises:
         RuntimeNotFound: no live daemon is recorded there.
     """
-    base = Path(runtime_dir).expanduser() if runtime_dir else default_runtime_dir()
-    if base.is_file():
-        candidates = [base]
-    elif (base / RUNTIME_FILE).is_file():
-        candidates = [base / RUNTIME_FILE]
-    else:
-        candidates = sorted(base.glob(f"*/{RUNTIME_FILE}"))
-    found: list[RuntimeInfo] = []
-    for path in candidates:
-        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
-            info = read_runtime_file(path)
-            if pid_alive(info.pid):
-                found.append(info)
+    found = live_runtimes(runtime_dir)
     if not found:
-        raise RuntimeNotFound(
-            f"no running pagectl daemon found in {base} (start one with `pagectl daemon`, or "
-            "pass --runtime-dir / set PAGECTL_RUNTIME_DIR to where it runs)"
-        )
-    return max(found, key=lambda i: i.start_time)
+        base = Path(runtime_dir).expanduser() if runtime_dir else default_runtime_dir()
+        raise RuntimeNotFound(no_daemon_message(base))
+    return found[-1]
+
+
+def no_daemon_message(base: Path) -> str:
+    return (
+        f"no running pagectl daemon found in {base} (start one with `pagectl daemon`, or "
+        "pass --runtime-dir / set PAGECTL_RUNTIME_DIR to where it runs)"
+    )

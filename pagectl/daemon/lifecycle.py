@@ -135,6 +135,7 @@ async def serve(opts: DaemonOptions) -> int:
                 telemetry_endpoint=tel,
                 control_endpoint=ctl,
                 token_file=str(ddir.token_file),
+                audit_file=str(ddir.audit_file),
                 telemetry_hz=opts.telemetry_hz,
             ),
             input_endpoint=ddir.endpoint("engine-in"),
@@ -198,6 +199,9 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
             telemetry_endpoint=ready.telemetry_endpoint,
             control_endpoint=ready.control_endpoint,
             token_file=str(ddir.token_file),
+            tp_size=ready.model_info.tp_size,
+            audit_file=str(ddir.audit_file),
+            tokenizer_path=ready.tokenizer_path or "",
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")

@@ -75,7 +75,8 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_info = model_info or ModelInfo(max_model_len=scheduler.config.max_model_len)
-        # Optional callable(list[int]) -> str, used for block previews in InspectBlock.
+        # Optional callable(list[int]) -> str. Kept for callers in the same process; the
+        # admin channel never calls it (InspectBlock returns ids; clients detokenize).
         self.tokenizer_decode = tokenizer_decode
         self.start_time = time.time()
         # Set by the daemon: "draining" during shutdown, "dead" after a fatal error.
@@ -274,12 +275,6 @@ class EngineCore:
                 fill = max(fill, f)
                 if tokens is None or len(tokens) < f:
                     tokens = r.all_token_ids[start : start + f]
-        text = None
-        if tokens and self.tokenizer_decode is not None:
-            try:
-                text = self.tokenizer_decode(tokens)
-            except Exception:  # a preview must never fail the command
-                text = None
         return {
             "block_id": block_id,
             "ref_cnt": b.ref_cnt,
@@ -287,8 +282,9 @@ class EngineCore:
             "hash": b.block_hash.hex() if b.block_hash else None,
             "owners": owners,
             "fill": fill,
+            # Ids only: detokenizing is the client's job (the console, ctl), never the
+            # engine thread's.
             "token_ids": tokens or [],
-            "text": text,
         }
 
     # -- telemetry ----------------------------------------------------------------------

@@ -86,9 +86,17 @@ class LiveConfigMixin:
         setting.apply(self, value)
         if old != value:
             who = f" by {client}" if client else ""
+            # A lowered running cap never preempts: running sequences finish, admission
+            # waits until fewer than ``value`` run.
+            running = len(self.running)
+            drain = (
+                f" (draining: {running} running)"
+                if name == "max_num_seqs" and running > value
+                else ""
+            )
             self.add_event(
                 "config",
-                f"{name}: {old} -> {value}{who}",
+                f"{name}: {old} -> {value}{who}{drain}",
                 name=name,
                 old=old,
                 new=value,

@@ -170,6 +170,41 @@ class TelemetrySnapshot(msgspec.Struct):
     events: list[Event]
 
 
+class Heartbeat(msgspec.Struct, array_like=True):
+    """Liveness between snapshots, sent on the telemetry socket by the publisher thread when
+    no snapshot went out for a while: the engine is alive, and maybe busy in one long step.
+
+    Encoded as a msgpack **array** (a snapshot is a map), so a reader tells the two apart by
+    the first byte (``is_heartbeat``) without decoding a snapshot.
+    """
+
+    # Always "hb" (a reader may check it).
+    kind: str
+    # time.time() when sent, and ``TelemetrySnapshot.seq`` of the newest snapshot published.
+    time: float
+    last_seq: int
+    # Seconds the engine has been inside the current step (0.0: between steps, idle).
+    busy_s: float
+    # The step in progress (0 when idle): the next ``StepStat.step_id``.
+    step_id: int = 0
+
+
+def is_heartbeat(frame: bytes) -> bool:
+    """A msgpack array (fixarray 0x90-0x9f, array16 0xdc, array32 0xdd) is a ``Heartbeat``."""
+    return bool(frame) and (0x90 <= frame[0] <= 0x9F or frame[0] in (0xDC, 0xDD))
+
+
+_heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
+
+
+def encode_heartbeat(hb: Heartbeat) -> bytes:
+    return msgspec.msgpack.encode(hb)
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    return _heartbeat_decoder.decode(data)
+
+
 def encode_snapshot(snap: TelemetrySnapshot) -> bytes:
     return msgspec.msgpack.encode(snap)
 

@@ -15,6 +15,7 @@ import msgspec
 from pagectl.control.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
 from pagectl.engine.core import EngineCore
+from pagectl.engine_process.audit import AUDITED_COMMANDS, AuditLog, who
 from pagectl.engine_process.frames import (
     MAX_CONTROL_FRAME_BYTES,
     FrameError,
@@ -36,6 +37,8 @@ class _Envelope(msgspec.Struct, kw_only=True):
     client: str = ""
     command: msgspec.Raw
     version: int = PROTOCOL_VERSION
+    uid: int | None = None
+    pid: int | None = None
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
@@ -61,11 +64,21 @@ def _command_name(raw: msgspec.Raw) -> str | None:
         return None
 
 
-def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, bool]:
+def handle_control(
+    core: EngineCore,
+    token: str,
+    frame: bytes,
+    *,
+    peer_address: str | None = None,
+    audit: AuditLog | None = None,
+) -> tuple[bytes, bool]:
     """Serve one request frame. Returns (reply frame, whether engine state may have changed).
 
     Every decode is bounded (``frames.decode_frame``): a frame that is too big, malformed or
     nested too deeply gets a ``bad_request`` reply carrying its id when the id can be read.
+    ``peer_address`` is libzmq's ``Peer-Address`` of the frame (uid and pid of an ipc peer);
+    every authorized command that can change the engine is appended to ``audit``, accepted
+    or refused (``pagectl.engine_process.audit``).
     """
     try:
         env = decode_frame(_envelope_decoder, frame, MAX_CONTROL_FRAME_BYTES)
@@ -91,12 +104,23 @@ def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, b
                 env.id, "unknown_command", f"unknown command {name!r}; known: {known}"
             ), False
         return _error(env.id, "bad_request", f"invalid command: {e}"), False
+    sender = who(env.client, peer_address, env.uid, env.pid)
+    audited = audit is not None and type(cmd).__struct_config__.tag in AUDITED_COMMANDS
     try:
-        result = core.apply_command(cmd, env.client)
-    except CommandError as e:
-        return _error(env.id, e.kind, e.message), False
-    except Exception as e:  # a bug in one command must not take the engine down
-        return _error(env.id, "internal", f"{type(e).__name__}: {e}"), False
+        result = core.apply_command(cmd, sender.label())
+    except Exception as e:
+        kind, message = (
+            (e.kind, e.message)
+            if isinstance(e, CommandError)
+            else ("internal", f"{type(e).__name__}: {e}")  # a bug must not stop the engine
+        )
+        if audited:
+            assert audit is not None
+            audit.record(sender, cmd, kind, message=message)
+        return _error(env.id, kind, message), False
+    if audited:
+        assert audit is not None
+        audit.record(sender, cmd, "ok", result=result)
     try:
         reply = encode(ControlReply(id=env.id, ok=True, result=result))
     except (TypeError, msgspec.EncodeError) as e:

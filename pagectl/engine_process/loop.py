@@ -10,8 +10,10 @@ Invariants:
   fails alone (``RequestFailed``), a bad control request gets an error reply, and an
   unexpected exception while handling one message is logged with its traceback and costs
   that message only. Only an ``AssertionError`` (an engine invariant that broke) is fatal.
-- Publishing never blocks: PUB drops when its small high-water mark is reached, and every
-  send uses NOBLOCK. A slow or dead console cannot slow the engine.
+- Publishing never blocks: the loop hands encoded snapshots to the publisher thread
+  (``publisher.py``), which owns the PUB socket, sends with NOBLOCK (PUB drops at its small
+  high-water mark) and sends heartbeats while a step runs long. A slow or dead console
+  cannot slow the engine, and a long step does not look like a dead daemon.
 - An exception inside ``step()`` is fatal: the engine reports ``dead`` (to the API server
   and in a last snapshot) and the loop returns non-zero. So is a failed health check of the
   model executor (``executor.check_health()``, when it has one: a tensor-parallel worker that
@@ -33,6 +35,7 @@ import zmq
 from pagectl.engine.core import EngineCore
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 from pagectl.engine_process import wire
+from pagectl.engine_process.audit import AuditLog
 from pagectl.engine_process.control_handler import handle_control
 from pagectl.engine_process.frames import (
     MAX_INPUT_FRAME_BYTES,
@@ -40,6 +43,7 @@ from pagectl.engine_process.frames import (
     decode_frame,
     submit_request_id,
 )
+from pagectl.engine_process.publisher import TelemetryPublisher
 
 log = logging.getLogger("pagectl.engine")
 
@@ -90,6 +94,7 @@ class EngineLoop:
         token: the control token.
         telemetry_interval: seconds between snapshots (and stats messages).
         stop_event: set by another thread (parent death) to make the loop return.
+        audit: where control commands are recorded (None: nowhere).
     """
 
     def __init__(
@@ -103,8 +108,11 @@ class EngineLoop:
         token: str,
         telemetry_interval: float = 0.1,
         stop_event: threading.Event | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         self.core = core
+        self.audit = audit
+        self.publisher = TelemetryPublisher(pub_sock) if pub_sock is not None else None
         self.input_sock = input_sock
         self.output_sock = output_sock
         self.pub_sock = pub_sock
@@ -126,9 +134,8 @@ class EngineLoop:
 
     def publish(self) -> None:
         snap = self.core.snapshot()
-        if self.pub_sock is not None:
-            with contextlib.suppress(zmq.Again):
-                self.pub_sock.send(encode_snapshot(snap), zmq.NOBLOCK)
+        if self.publisher is not None:
+            self.publisher.publish(encode_snapshot(snap), snap.seq)
         self._send(engine_stats(snap))
         self._next_publish = time.monotonic() + self.telemetry_interval
 
@@ -192,18 +199,28 @@ class EngineLoop:
             return
         for _ in range(_MAX_MESSAGES_PER_TURN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 continue  # a DEALER sends exactly one frame; ROUTER adds the identity
             self._guarded("a control request", self._control_one, sock, *frames)
 
-    def _control_one(self, sock: zmq.Socket, ident: bytes, frame: bytes) -> None:
-        reply, changed = handle_control(self.core, self.token, frame)
+    def _control_one(self, sock: zmq.Socket, ident: zmq.Frame, frame: zmq.Frame) -> None:
+        try:  # ipc: "host:uid:gid:pid" from the kernel's peer credentials
+            peer = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            peer = None
+        reply, changed = handle_control(
+            self.core,
+            self.token,
+            frame.bytes,
+            peer_address=peer if isinstance(peer, str) else None,
+            audit=self.audit,
+        )
         # A client that left, or whose queue is full, loses its reply.
         with contextlib.suppress(zmq.ZMQError):
-            sock.send_multipart([ident, reply], zmq.NOBLOCK)
+            sock.send_multipart([ident.bytes, reply], zmq.NOBLOCK)
         if changed:
             self._next_publish = 0.0  # consoles see the change at once
 
@@ -211,7 +228,17 @@ class EngineLoop:
 
     def run(self) -> int:
         """Loop until Shutdown (returns 0), parent death (0) or a fatal step error (1)."""
+        if self.publisher is not None:
+            self.publisher.start()
+        try:
+            return self._run()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _run(self) -> int:
         core = self.core
+        publisher = self.publisher
         check_health = getattr(getattr(core, "executor", None), "check_health", None)
         while not self._shutdown and not self.stop_event.is_set():
             if check_health is not None:
@@ -234,10 +261,15 @@ class EngineLoop:
             if self._shutdown:
                 break
             if core.has_unfinished():
+                if publisher is not None:
+                    publisher.step_started(core.counters.steps + 1)
                 try:
                     outputs = core.step()
                 except Exception as e:  # fatal: report and stop
                     return self._die(e)
+                finally:
+                    if publisher is not None:
+                        publisher.step_finished()
                 if outputs:
                     self._send(wire.OutputBatch(outputs))
                 if not core.has_unfinished():

@@ -34,6 +34,7 @@ from pagectl.engine_process.frames import (
 
 if TYPE_CHECKING:
     from pagectl.engine.core import EngineCore
+from pagectl.engine_process.audit import AuditLog
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -78,6 +79,8 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     telemetry_endpoint: str
     control_endpoint: str
     token_file: str
+    # The append-only JSON-lines audit file of control commands ("" keeps none).
+    audit_file: str = ""
     telemetry_hz: float = 10.0
 
 
@@ -206,6 +209,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token=token,
             telemetry_interval=1.0 / cfg.telemetry_hz,
             stop_event=stop,
+            audit=AuditLog(cfg.audit_file) if cfg.audit_file else None,
         )
         return loop.run()
     finally:
