@@ -166,3 +166,15 @@ def test_documented_fields_refused_unknown_ignored():
         assert e.value.param == next(iter(body)) and "not supported by pagectl" in e.value.message
     with pytest.raises(APIError):  # True is not the no-op 1 of length_penalty
         check_fields({"length_penalty": True}, CHAT_FIELDS, "t")
+
+
+def test_concurrent_renders_keep_their_own_time_limit():
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(chat_template.render, loop, {})
+        for _ in range(20):  # quick renders finishing meanwhile must not lift its limit
+            assert pool.submit(chat_template.render, "{{ 1 }}", {}).result() == "1"
+        with pytest.raises(chat_template.TemplateError, match="longer than"):
+            slow.result(timeout=chat_template.TIME_LIMIT_S + 5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from datetime import datetime
 from functools import lru_cache
@@ -48,10 +49,11 @@ def _make_env() -> Any:
             super().__init__(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
-            self.deadline = float("inf")
+            # Renders run in several worker threads at once: each has its own deadline.
+            self.local = threading.local()
 
         def check(self) -> None:
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > getattr(self.local, "deadline", float("inf")):
                 raise TemplateError(f"the chat template ran longer than {TIME_LIMIT_S} s")
 
         def call(self, __context, __obj, *args, **kwargs):  # type: ignore[override]
@@ -135,9 +137,7 @@ def render(source: str, variables: dict[str, Any]) -> str:
         template = _compile(source)
     except JinjaError as e:
         raise TemplateError(f"the chat template does not parse: {e}") from None
-    # One render at a time per thread would need a per-thread env; renders are serialised
-    # by the caller's single worker, so one deadline suffices.
-    env.deadline = time.monotonic() + TIME_LIMIT_S
+    env.local.deadline = time.monotonic() + TIME_LIMIT_S
     out: list[str] = []
     size = 0
     try:
@@ -155,7 +155,7 @@ def render(source: str, variables: dict[str, Any]) -> str:
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
         raise TemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
     finally:
-        env.deadline = float("inf")
+        env.local.deadline = float("inf")
     return "".join(out)
 
 
