@@ -173,9 +173,11 @@ class Generation:
                     self.metrics.itl.observe(now - choice.last_token_time)
             self._first_token_seen = True
             choice.last_token_time = now
+            # A speculative run stops at the token that completes a stop string.
+            text, num = choice.detok.push_run(new)
+            new, lps = new[:num], lps[:num]
             choice.token_ids.extend(new)
             choice.logprobs.extend(lps)
-            text = choice.detok.push(new)
         stop = choice.detok.stop_hit
         if stop is not None:
             self._finish(choice, "stop", stop)

@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 
+from pagectl.cli.generate import SPEC_HELP
 from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
 
 
@@ -52,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default): a request's unset sampling fields take the model's "
         "generation_config.json values; none: the engine's own defaults",
+    )
+    m.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help=SPEC_HELP + "; num_speculative_tokens is live",
     )
 
     c = p.add_argument_group("KV cache and scheduler")

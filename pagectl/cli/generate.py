@@ -7,6 +7,11 @@ import sys
 
 from pagectl.engine.args import ATTENTION_BACKENDS, GENERATION_CONFIG_MODES
 
+SPEC_HELP = (
+    'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (see docs/ARCHITECTURE.md)'
+)
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by ``generate`` and ``bench``."""
@@ -50,6 +55,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="auto (default): unset sampling flags take the model's generation_config.json "
         "values; none: the engine's own defaults",
     )
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help=SPEC_HELP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +112,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
         generation_config=args.generation_config,
+        speculative_config=args.speculative_config,
     )
 
 

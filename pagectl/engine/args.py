@@ -88,6 +88,11 @@ class EngineArgs:
     # (temperature, top_p, top_k, min_p when it sets do_sample; repetition_penalty;
     # max_new_tokens as max_tokens), "none" keeps the engine's own (OpenAI's) defaults.
     generation_config: str = "auto"
+    # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (or its JSON text); None: off. Kept as
+    # given (a plain dict travels to tensor-parallel workers); checked here, parsed by the
+    # builder with SpeculativeConfig.parse.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -113,6 +118,10 @@ class EngineArgs:
                 f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
                 f"got {self.generation_config!r}"
             )
+
+        from pagectl.engine.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
 
     def to_dict(self) -> dict:
         return asdict(self)

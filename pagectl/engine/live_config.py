@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from pagectl.engine.config import SchedulerConfig
     from pagectl.engine.kv.manager import KVCacheManager
     from pagectl.engine.request import Request
+    from pagectl.engine.spec_decode.config import SpeculativeConfig
     from pagectl.engine.telemetry import Event
 
 # Live settings: name -> (type, description).
@@ -18,6 +19,7 @@ LIVE_SETTINGS = {
     "max_num_seqs": (int, "most sequences running at once"),
     "long_prefill_token_threshold": (int, "most prompt tokens one request prefills per step"),
     "enable_prefix_caching": (bool, "prefix caching on or off"),
+    "num_speculative_tokens": (int, "most tokens proposed per sequence per step (0: off)"),
 }
 
 
@@ -30,6 +32,8 @@ class LiveConfigMixin:
     paused: bool
     max_num_seqs_limit: int
     block_size: int
+    num_spec_tokens: int
+    spec_config: SpeculativeConfig | None
 
     if TYPE_CHECKING:
 
@@ -62,9 +66,25 @@ class LiveConfigMixin:
                 )
         elif name == "long_prefill_token_threshold" and value < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {value}")
+        elif name == "num_speculative_tokens":
+            if self.spec_config is None:
+                raise ValueError(
+                    "num_speculative_tokens: speculative decoding is not configured (start "
+                    "the engine with --speculative-config)"
+                )
+            limit = self.spec_config.num_speculative_tokens
+            if not 0 <= value <= limit:
+                raise ValueError(
+                    f"num_speculative_tokens must be in [0, {limit}] (the start-up value is "
+                    f"the limit), got {value}"
+                )
+        old: object
         if name == "enable_prefix_caching":
             old = self.kv.enable_prefix_caching
             self._set_prefix_caching(bool(value))
+        elif name == "num_speculative_tokens":
+            old = self.num_spec_tokens
+            self.num_spec_tokens = int(value)
         else:
             old = getattr(cfg, name)
             setattr(cfg, name, value)
@@ -129,6 +149,8 @@ class LiveConfigMixin:
             "max_model_len": cfg.max_model_len,
             "max_num_seqs_limit": self.max_num_seqs_limit,
             "max_num_batched_tokens_limit": cfg.max_num_batched_tokens_limit,
+            "num_speculative_tokens": self.num_spec_tokens,
+            "speculative_method": self.spec_config.method if self.spec_config else "none",
         }
 
 

@@ -263,18 +263,21 @@ class LLM:
                         prompt_lps[o.request_id].extend(o.prompt_logprobs)
                     if s.finish_reason is not None:
                         continue  # finished by a stop string; late tokens are dropped
-                    s.tokens.extend(o.new_token_ids)
+                    new = o.new_token_ids
+                    if s.detok is not None and new:
+                        # A speculative run stops at the token that completes a stop string.
+                        _, num = s.detok.push_run(new)
+                        new = new[:num]
+                    s.tokens.extend(new)
                     if s.logprobs is not None and o.new_logprobs:
-                        s.logprobs.extend(o.new_logprobs)
-                    if s.detok is not None and o.new_token_ids:
-                        s.detok.push(o.new_token_ids)
-                        if s.detok.stop_hit is not None:
-                            s.finish_reason = "stop"
-                            s.stop_reason = s.detok.stop_hit
-                            core.scheduler.finish_by_stop_string(
-                                o.request_id, o.index, s.detok.stop_hit
-                            )
-                            continue
+                        s.logprobs.extend(o.new_logprobs[: len(new)])
+                    if s.detok is not None and new and s.detok.stop_hit is not None:
+                        s.finish_reason = "stop"
+                        s.stop_reason = s.detok.stop_hit
+                        core.scheduler.finish_by_stop_string(
+                            o.request_id, o.index, s.detok.stop_hit
+                        )
+                        continue
                     if o.finish_reason:
                         s.finish_reason = o.finish_reason
                         s.stop_reason = o.stop_reason

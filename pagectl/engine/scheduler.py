@@ -24,6 +24,8 @@ from pagectl.engine.kv.manager import KVCacheManager
 from pagectl.engine.live_config import LiveConfigMixin
 from pagectl.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagectl.engine.request import Request, RequestStatus
+from pagectl.engine.spec_decode.config import SpeculativeConfig
+from pagectl.engine.spec_decode.ngram import NgramProposer
 from pagectl.engine.telemetry import Counters, Event, StepStat
 from pagectl.engine.waiting_queue import WaitingQueue
 
@@ -38,8 +40,22 @@ class Scheduler(LiveConfigMixin):
         *,
         step_history: int = 256,
         event_history: int = 256,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.spec_config = speculative_config
+        # Live: most tokens proposed per sequence per step (0: speculation off). The
+        # start-up value is its upper bound.
+        self.num_spec_tokens = (
+            speculative_config.num_speculative_tokens if speculative_config else 0
+        )
+        self.proposer = (
+            NgramProposer(
+                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+            )
+            if speculative_config is not None and speculative_config.method == "ngram"
+            else None
+        )
         # Start-up value: the live running cap may not exceed it.
         self.max_num_seqs_limit = scheduler_config.max_num_seqs
         self.block_size = cache_config.block_size
@@ -146,6 +162,14 @@ class Scheduler(LiveConfigMixin):
         preempted: list[Request] = []
         running = self.running
 
+        # Speculation: a decoding sequence may feed up to spec_k proposals after its last
+        # token (their slots allocated like any token's, the budget counting them).
+        spec_k = self.num_spec_tokens if self.proposer is not None else 0
+        dbs = self.spec_config.disable_by_batch_size if self.spec_config else 0
+        if dbs and len(running) >= dbs:
+            spec_k = 0
+        spec_at: dict[int, list[int]] = {}
+
         # 1. Running sequences first, in order; preempt from the back when blocks run out.
         bs = self.block_size
         i = 0
@@ -160,6 +184,17 @@ class Scheduler(LiveConfigMixin):
                     continue
             else:
                 num_new = ntok - nc
+                if num_new == 1 and spec_k and budget > 1:
+                    drafts = self._propose(req, min(spec_k, budget - 1))
+                    # Proposals never cause a preemption: without room they are dropped.
+                    if drafts and kv.allocate_slots(req, 1 + len(drafts)):
+                        spec_at[len(seqs)] = drafts
+                        seqs.append(req)
+                        counts.append(1 + len(drafts))
+                        samples.append(True)
+                        budget -= 1 + len(drafts)
+                        i += 1
+                        continue
                 if num_new == 1 and nc % bs and req.blocks[-1].ref_cnt == 1:
                     # Steady decode: the slot is in the sequence's own last block.
                     seqs.append(req)
@@ -208,7 +243,17 @@ class Scheduler(LiveConfigMixin):
             # Kept until a step runs: the runner learns of finished sequences only through
             # an executed step.
             finished_seq_ids=self._drain_finished_ids() if seqs or block_copies else [],
+            spec_token_ids=[spec_at.get(j, []) for j in range(len(seqs))] if spec_at else [],
         )
+
+    def _propose(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` proposals for a decoding sequence, fewer near its end: the verified
+        run plus the token sampled after it must fit ``max_num_tokens``."""
+        k = min(k, req.max_num_tokens - len(req.all_token_ids) - 1)
+        if k <= 0:
+            return []
+        assert self.proposer is not None
+        return self.proposer.propose(req.all_token_ids, k)
 
     def _admit(
         self, budget: int, seqs: list[Request], counts: list[int], samples: list[bool]
@@ -345,11 +390,21 @@ class Scheduler(LiveConfigMixin):
         recomputed = 0
         finished: list[Request] = []
         lps = logprobs if logprobs is not None else repeat(None)
-        for req, n, sample, tok, lp in zip(
-            so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps
+        spec_in = so.spec_token_ids
+        spec_out = ro.spec_output_token_ids
+        for j, (req, n, sample, tok, lp) in enumerate(
+            zip(so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps)
         ):
             if req.status is not running_status:
                 continue  # finished while the step ran (e.g. aborted)
+            if spec_in and spec_in[j]:
+                gained = spec_out[j] if spec_out is not None else [tok]
+                spec_lps = ro.spec_logprobs[j] if ro.spec_logprobs is not None else None
+                num_new_tokens = self._update_spec(req, spec_in[j], gained, spec_lps, outputs)
+                num_generated += num_new_tokens
+                if req.status is not running_status:
+                    finished.append(req)
+                continue
             before = req.num_computed_tokens
             after = before + n
             req.num_computed_tokens = after
@@ -430,6 +485,67 @@ class Scheduler(LiveConfigMixin):
                 )
             )
         return outputs
+
+    def _update_spec(
+        self,
+        req: Request,
+        proposals: list[int],
+        gained: list[int],
+        gained_logprobs: list | None,
+        outputs: list[EngineCoreOutput],
+    ) -> int:
+        """Advance a sequence that verified ``proposals`` and gained ``gained`` (its accepted
+        proposals, then one sampled token). Returns how many tokens it gained (fewer than
+        ``gained`` when it finished inside the run).
+
+        Its computed tokens become the last token plus the accepted proposals; blocks holding
+        only rejected slots go back to the pool; only then are full blocks offered to the
+        prefix cache, so no hash ever covers a rejected token. A stop token or the length
+        limit inside the run cuts it there.
+        """
+        c = self.counters
+        m = len(gained) - 1
+        c.spec_decode_num_drafts += 1
+        c.spec_decode_num_draft_tokens += len(proposals)
+        c.spec_decode_num_accepted_tokens += m
+        per_pos = c.spec_decode_num_accepted_tokens_per_pos
+        if len(per_pos) < len(proposals):
+            per_pos.extend([0] * (len(proposals) - len(per_pos)))
+        for p in range(m):
+            per_pos[p] += 1
+        tokens = req.all_token_ids
+        stop_ids = req.stop_ids
+        new: list[int] = []
+        status = None
+        for t in gained:
+            tokens.append(t)
+            new.append(t)
+            if t in stop_ids and len(tokens) >= req.min_num_tokens:
+                status = RequestStatus.FINISHED_STOPPED
+                if t in req.sampling_params.stop_token_ids:
+                    req.stop_reason = t
+                break
+            if len(tokens) >= req.max_num_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        # The last token before the step, and each accepted proposal, are now computed.
+        req.num_computed_tokens += len(new)
+        kv = self.kv
+        kv.release_slots_beyond(req, req.num_computed_tokens)
+        if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
+            req.num_registered_blocks
+        ):
+            kv.cache_full_blocks(req)
+        if status is not None:
+            req.status = status
+        outputs.append(
+            self._output(
+                req,
+                new,
+                new_logprobs=gained_logprobs[: len(new)] if gained_logprobs else None,
+            )
+        )
+        return len(new)
 
     def finish_by_stop_string(self, request_id: str, index: int, stop: str) -> None:
         """Finish one sequence whose text hit a stop string (found by the detokenizer)."""

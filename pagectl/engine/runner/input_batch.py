@@ -50,7 +50,8 @@ class StepArrays:
     seq_lens: np.ndarray  # [S]
     # Each sequence's blocks, padded with the scratch block.
     block_tables: np.ndarray  # [S, max blocks]
-    # Hidden rows to compute logits for (prompt-logprob rows, then one per sampling sequence).
+    # Hidden rows to compute logits for (prompt-logprob rows, then one per sampling sequence,
+    # k + 1 for a sequence verifying k proposals).
     logits_rows: np.ndarray  # [R]
     # Leading sequences that feed one token each.
     num_decodes: int
@@ -68,6 +69,9 @@ class SamplingPlan:
     sample_indices: list[int] = field(default_factory=list)
     num_prompt_logprob_rows: int = 0
     prompt_logprobs: list[PromptLogprobsPlan] = field(default_factory=list)
+    # Speculative steps only (else empty): logits rows of each sampling sequence, parallel
+    # to ``sample_indices`` (1, or k + 1 for a sequence with k proposals).
+    num_sample_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -143,14 +147,19 @@ class BatchBuilder:
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
 
-        token_ids = np.fromiter(
-            itertools.chain.from_iterable(
+        spec = so.spec_token_ids
+        if spec:
+            # A speculating sequence feeds its last token, then its proposals.
+            pieces = (
+                seqs[i].all_token_ids[s : s + n - len(spec[i])] + spec[i]
+                for i, s, n in zip(order, starts.tolist(), q_lens.tolist(), strict=True)
+            )
+        else:
+            pieces = (
                 seqs[i].all_token_ids[s : s + n]
                 for i, s, n in zip(order, starts.tolist(), q_lens.tolist(), strict=True)
-            ),
-            np.int64,
-            num_tokens,
-        )
+            )
+        token_ids = np.fromiter(itertools.chain.from_iterable(pieces), np.int64, num_tokens)
         seq_of_row = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], q_lens)
 
@@ -173,6 +182,7 @@ class BatchBuilder:
         prompt_rows: list[np.ndarray] = []
         sample_indices: list[int] = []
         sample_rows: list[int] = []
+        num_sample_rows: list[int] = []
         num_prompt_rows = 0
         for r, i in enumerate(order):
             req = seqs[i]
@@ -193,7 +203,15 @@ class BatchBuilder:
                     prompt_scored[req.seq_id] = last
             if so.sample[i]:
                 sample_indices.append(i)
-                sample_rows.append(int(cu[r + 1]) - 1)
+                end = int(cu[r + 1])
+                if spec and spec[i]:
+                    # One row per proposal and one after them: k + 1 rows, in order.
+                    k = len(spec[i])
+                    sample_rows.extend(range(end - 1 - k, end))
+                    num_sample_rows.append(k + 1)
+                else:
+                    sample_rows.append(end - 1)
+                    num_sample_rows.append(1)
         logits_rows = np.concatenate(prompt_rows + [np.asarray(sample_rows, np.int64)])
 
         token_seq_lens = None
@@ -210,7 +228,9 @@ class BatchBuilder:
             num_decodes=len(decodes),
             token_seq_lens=token_seq_lens,
         )
-        return arrays, SamplingPlan(order, sample_indices, num_prompt_rows, plans)
+        if not spec:
+            num_sample_rows = []
+        return arrays, SamplingPlan(order, sample_indices, num_prompt_rows, plans, num_sample_rows)
 
     def from_arrays(self, a: StepArrays) -> StepBatch:
         """Device tensors and attention metadata for ``a`` (at least one sequence)."""
