@@ -390,3 +390,34 @@ def test_sampled_distribution_is_the_targets(models):
 @pytest.mark.extended
 def test_sampled_distribution_is_the_targets_many_samples(models):
     _check_distribution(models, 20000)
+
+
+# -- the daemon's view ----------------------------------------------------------------------
+
+
+async def test_metrics_export_the_speculation_counters(make_client):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    client, engine = await make_client(speculative_config=spec, max_model_len=512)
+    plain_client, _ = await make_client(max_model_len=512)
+    body = {"prompt": list(range(3, 300)), "max_tokens": 40, "ignore_eos": True}
+    got = await (await client.post("/v1/completions", json=body)).json()
+    ref = await (await plain_client.post("/v1/completions", json=body)).json()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    c = engine.core.scheduler.counters
+    assert c.spec_decode_num_drafts > 0
+    text = await (await client.get("/metrics")).text()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["pagectl:spec_decode_num_drafts_total"] == c.spec_decode_num_drafts
+    assert values["pagectl:spec_decode_num_draft_tokens_total"] == c.spec_decode_num_draft_tokens
+    assert (
+        values["pagectl:spec_decode_num_accepted_tokens_total"] == c.spec_decode_num_accepted_tokens
+    )
+    for pos, n in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+        key = f'pagectl:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'
+        assert values[key] == n
+    plain_metrics = await (await plain_client.get("/metrics")).text()
+    assert "spec_decode" not in plain_metrics
