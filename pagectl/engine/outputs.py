@@ -117,3 +117,5 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Human-readable cause when finish_reason == "error".
     error: str | None = None
+    # Beam search: the sequence's cumulative logprob (its tokens come in one output).
+    cumulative_logprob: float | None = None

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from itertools import repeat
 
+from pagectl.engine.beam_search import BeamGroup, BeamSearchParams
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.kv.manager import KVCacheManager
 from pagectl.engine.live_config import LiveConfigMixin
@@ -77,6 +78,9 @@ class Scheduler(LiveConfigMixin):
         self._pending_outputs: list[EngineCoreOutput] = []
         # Sequences that left since the last schedule() (for the runner to drop state).
         self._finished_seq_ids: list[str] = []
+        # Beam search: request_id -> its group, and seq_id -> group for every live beam.
+        self.beam_groups: dict[str, BeamGroup] = {}
+        self._beam_of: dict[str, BeamGroup] = {}
 
     # -- queries ------------------------------------------------------------------------
 
@@ -102,11 +106,33 @@ class Scheduler(LiveConfigMixin):
         self.groups[req.request_id] = [req]
         self.waiting.push(req)
 
+    def add_beam_request(self, req: Request, params: BeamSearchParams) -> None:
+        """Start a beam search from ``req`` (its prompt; greedy with logprobs = 2W)."""
+        if params.beam_width > self.max_num_seqs_limit:
+            raise ValueError(
+                f"beam_width {params.beam_width} exceeds max_num_seqs {self.max_num_seqs_limit}"
+            )
+        self.add_request(req)
+        group = BeamGroup(
+            req.request_id,
+            params,
+            req.num_prompt_tokens,
+            min(params.max_tokens, req.max_num_tokens - req.num_prompt_tokens),
+            [req],
+        )
+        group.cum[req.seq_id] = 0.0
+        self.beam_groups[req.request_id] = group
+        self._beam_of[req.seq_id] = group
+
     def abort_request(self, request_id: str) -> bool:
         """Finish every sequence of ``request_id`` with "abort", freeing its blocks."""
         seqs = self.groups.get(request_id)
         if not seqs:
             return False
+        group = self.beam_groups.pop(request_id, None)
+        if group is not None:
+            for beam in group.beams:
+                self._beam_of.pop(beam.seq_id, None)
         for req in list(seqs):
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
@@ -184,7 +210,10 @@ class Scheduler(LiveConfigMixin):
                     continue
             else:
                 num_new = ntok - nc
-                if num_new == 1 and spec_k and budget > 1:
+                if num_new <= 0:
+                    i += 1  # a beam that has its next-token row and waits for its group
+                    continue
+                if num_new == 1 and spec_k and budget > 1 and req.seq_id not in self._beam_of:
                     drafts = self._propose(req, min(spec_k, budget - 1))
                     # Proposals never cause a preemption: without room they are dropped.
                     if drafts and kv.allocate_slots(req, 1 + len(drafts)):
@@ -231,6 +260,10 @@ class Scheduler(LiveConfigMixin):
         # 2. Admit waiting sequences, unless this step preempted or admission is paused.
         if not preempted and not self.paused:
             self._admit(budget, seqs, counts, samples)
+            if not seqs and self.beam_groups and running and len(self.waiting):
+                # Every running sequence is a beam waiting for a beam that cannot be
+                # admitted: make room (the group advances once that beam has its row).
+                self._preempt(running[-1], PREEMPT_KV_BLOCKS)
 
         block_copies = kv.drain_copies()
         return SchedulerOutput(
@@ -392,6 +425,8 @@ class Scheduler(LiveConfigMixin):
         lps = logprobs if logprobs is not None else repeat(None)
         spec_in = so.spec_token_ids
         spec_out = ro.spec_output_token_ids
+        beam_of = self._beam_of
+        ready_groups: list[BeamGroup] = []
         for j, (req, n, sample, tok, lp) in enumerate(
             zip(so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps)
         ):
@@ -422,6 +457,14 @@ class Scheduler(LiveConfigMixin):
                 if prompt_lps and req.seq_id in prompt_lps:
                     outputs.append(self._output(req, [], prompt_logprobs=prompt_lps[req.seq_id]))
                 continue
+            if beam_of:
+                group = beam_of.get(req.seq_id)
+                if group is not None:
+                    assert lp is not None, "a beam samples with logprobs = 2W"
+                    group.pending[req.seq_id] = lp
+                    if group.ready():
+                        ready_groups.append(group)
+                    continue
             tokens = req.all_token_ids
             tokens.append(tok)
             num_generated += 1
@@ -465,6 +508,8 @@ class Scheduler(LiveConfigMixin):
             for req in finished:
                 kv.free(req)
                 self._release(req)
+        for group in ready_groups:
+            num_generated += self._beam_step(group, outputs)
         c = self.counters
         c.prompt_tokens += num_prompt
         c.generation_tokens += num_generated
@@ -546,6 +591,96 @@ class Scheduler(LiveConfigMixin):
             )
         )
         return len(new)
+
+    # -- beam search --------------------------------------------------------------------
+
+    def _beam_step(self, group: BeamGroup, outputs: list[EngineCoreOutput]) -> int:
+        """Advance a group whose beams all have their next-token rows (``BeamGroup.step``):
+        extend, fork and free beams, or end the search. Returns tokens appended."""
+        used = 0
+        for beam in group.beams:
+            used += len(beam.blocks)
+        group.peak_blocks = max(group.peak_blocks, used)
+        conts = group.step()
+        new_beams: list[Request] = []
+        appended = 0
+        for beam, cs in conts:
+            if not cs:
+                self._drop_beam(beam)
+                continue
+            # Forks first: they copy the beam's tokens before it grows.
+            for tok, cum in cs[1:]:
+                child = self._fork_beam(beam, group)
+                child.all_token_ids.append(tok)
+                group.cum[child.seq_id] = cum
+                new_beams.append(child)
+            tok, cum = cs[0]
+            beam.all_token_ids.append(tok)
+            group.cum[beam.seq_id] = cum
+            new_beams.append(beam)
+            appended += len(cs)
+        new_beams.sort(key=lambda b: -group.cum[b.seq_id])
+        group.beams = new_beams
+        if group.done:
+            self._finish_beam_group(group, outputs)
+        return appended
+
+    def _fork_beam(self, parent: Request, group: BeamGroup) -> Request:
+        """A new beam sharing every block of ``parent`` (same tokens so far)."""
+        child = Request.__new__(Request)
+        for slot in Request.__slots__:
+            setattr(child, slot, getattr(parent, slot))
+        child.seq_id = f"{parent.request_id}#b{group.next_child}"
+        group.next_child += 1
+        child.all_token_ids = list(parent.all_token_ids)
+        child.blocks = []
+        child.block_ids = []
+        child.block_hashes = []
+        self.kv.fork(parent, child)
+        self.groups[parent.request_id].append(child)
+        self._beam_of[child.seq_id] = group
+        if parent.status == RequestStatus.RUNNING:
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:  # the parent lost its blocks to a preemption: the child recomputes too
+            self.waiting.push_front(child)
+        return child
+
+    def _drop_beam(self, beam: Request) -> None:
+        """Free a beam that no candidate continues (its blocks go back at once)."""
+        prev = beam.status
+        beam.status = RequestStatus.FINISHED_STOPPED
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(beam)
+        elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.discard(beam)
+        self.kv.free(beam)
+        seqs = self.groups.get(beam.request_id)
+        if seqs is not None and beam in seqs:
+            seqs.remove(beam)
+        self._beam_of.pop(beam.seq_id, None)
+        self._finished_seq_ids.append(beam.seq_id)
+
+    def _finish_beam_group(self, group: BeamGroup, outputs: list[EngineCoreOutput]) -> None:
+        """Emit the finished hypotheses, best first, as sequences 0..W-1 of the request."""
+        for beam in list(group.beams):
+            self._drop_beam(beam)
+        group.beams = []
+        rid = group.request_id
+        self.groups.pop(rid, None)
+        self.beam_groups.pop(rid, None)
+        fbr = self.counters.finished_by_reason
+        for j, res in enumerate(group.results()):
+            fbr[res.finish_reason] = fbr.get(res.finish_reason, 0) + 1
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    j,
+                    res.token_ids,
+                    res.finish_reason,
+                    num_prompt_tokens=group.num_prompt_tokens,
+                    cumulative_logprob=res.cum_logprob,
+                )
+            )
 
     def finish_by_stop_string(self, request_id: str, index: int, stop: str) -> None:
         """Finish one sequence whose text hit a stop string (found by the detokenizer)."""
