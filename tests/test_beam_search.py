@@ -217,3 +217,64 @@ def test_abort_and_errors_leave_nothing_behind(models):
             BeamSearchParams(beam_width=0, max_tokens=4)
     finally:
         llm.shutdown()
+
+
+# -- the HTTP API -------------------------------------------------------------------------
+
+
+async def test_http_beam_search_completions_and_chat(make_client):
+    client, engine = await make_client()
+    body = {"prompt": list(range(100, 120)), "max_tokens": 6, "n": 3, "use_beam_search": True}
+    resp = await client.post("/v1/completions", json=dict(body, length_penalty=0.8))
+    assert resp.status == 200, await resp.text()
+    got = await resp.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert got["usage"]["completion_tokens"] <= 3 * 6
+    # The same search run on the engine directly gives the same texts.
+    core = engine.core
+    core.add_beam_request(
+        "direct",
+        list(range(100, 120)),
+        BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.8),
+    )
+    direct: dict[int, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            direct[o.index] = o.new_token_ids
+    tok = engine.built.tokenizer
+    assert [c["text"] for c in got["choices"]] == [
+        tok.decode(direct[j], skip_special_tokens=True) for j in range(3)
+    ]
+    chat = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "n": 2,
+            "use_beam_search": True,
+            "early_stopping": True,
+        },
+    )
+    assert chat.status == 200, await chat.text()
+    assert len((await chat.json())["choices"]) == 2
+    assert core.scheduler.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"stream": True}, "stream"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+        ({"use_beam_search": False, "early_stopping": True}, "early_stopping"),
+    ],
+)
+async def test_http_beam_search_refusals(make_client, extra, param):
+    client, _ = await make_client()
+    body = {"prompt": "hello", "max_tokens": 4, "n": 2, "use_beam_search": True}
+    resp = await client.post("/v1/completions", json=dict(body, **extra))
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == param

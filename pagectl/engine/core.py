@@ -170,6 +170,15 @@ class EngineCore:
             raise
 
     def add_engine_request(self, er: EngineRequest) -> None:
+        if er.beam_search is not None:
+            self.add_beam_request(
+                er.request_id,
+                er.prompt_token_ids,
+                BeamSearchParams(**er.beam_search),
+                priority=er.priority,
+                cache_salt=er.cache_salt,
+            )
+            return
         sp = SamplingParams(**er.sampling_params)
         self.add_request(
             er.request_id,

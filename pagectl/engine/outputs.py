@@ -93,6 +93,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # Wall-clock arrival (time.time()) at the API server. The engine measures ages with its
     # own monotonic clock; this is carried for logs and diagnostics.
     arrival_time: float | None = None
+    # Beam search instead of sampling: ``BeamSearchParams`` fields (sampling_params then
+    # only sizes the request: n = beam_width). Its n sequences arrive once, at the end.
+    beam_search: dict | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
