@@ -421,3 +421,26 @@ async def test_metrics_export_the_speculation_counters(make_client):
         assert values[key] == n
     plain_metrics = await (await plain_client.get("/metrics")).text()
     assert "spec_decode" not in plain_metrics
+
+
+def test_status_shows_the_speculative_config_and_the_live_setting_applies():
+    from pagectl.admin.testing import fake_engine
+    from pagectl.cli.ctl import format_status
+    from pagectl.engine.commands import CommandError, SetConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    core = fake_engine(EngineArgs(num_kv_blocks=64, speculative_config=spec)).core
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    core.add_request("a", list(range(3, 200)), sp)
+    while core.has_unfinished():
+        core.step()
+    status = core.status()
+    assert status["config"]["speculative_method"] == "ngram"
+    assert status["counters"]["spec_decode_num_drafts"] > 0
+    text = format_status(status)
+    assert "spec      ngram num_speculative_tokens=3" in text
+    assert core.apply_command(SetConfig("num_speculative_tokens", 0))["new"] == 0
+    with pytest.raises(CommandError, match="invalid_value|num_speculative_tokens"):
+        core.apply_command(SetConfig("num_speculative_tokens", 7))
+    plain = fake_engine(EngineArgs(num_kv_blocks=64)).core
+    assert "spec " not in format_status(plain.status())
