@@ -444,3 +444,28 @@ def test_status_shows_the_speculative_config_and_the_live_setting_applies():
         core.apply_command(SetConfig("num_speculative_tokens", 7))
     plain = fake_engine(EngineArgs(num_kv_blocks=64)).core
     assert "spec " not in format_status(plain.status())
+
+
+def test_console_trends_show_the_acceptance_rate():
+    from pagectl.admin.testing import fake_engine
+    from pagectl.tui.history import History
+    from pagectl.tui.widgets.trends import Trends
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    core = fake_engine(EngineArgs(num_kv_blocks=64, speculative_config=spec)).core
+    core.add_request("a", list(range(3, 200)), SamplingParams(ignore_eos=True, max_tokens=20))
+    while core.has_unfinished():
+        core.step()
+    c = core.scheduler.counters
+    snap = core.snapshot()
+    history = History()
+    history.update(snap)
+    widget = Trends()
+    widget.show(history, snap)
+    text = widget.render().plain
+    rate = c.spec_decode_num_accepted_tokens / c.spec_decode_num_draft_tokens
+    mean = 1 + c.spec_decode_num_accepted_tokens / c.spec_decode_num_drafts
+    assert "spec accept" in text and f"{100 * rate:.0f}%" in text and f"{mean:.2f}" in text
+    plain = fake_engine(EngineArgs(num_kv_blocks=64)).core.snapshot()
+    widget.show(history, plain)
+    assert "spec accept" not in widget.render().plain
