@@ -209,6 +209,16 @@ def test_abort_and_errors_leave_nothing_behind(models):
         assert core.abort_request("a")
         assert core.scheduler.kv.pool.num_used_blocks == 0
         assert not core.scheduler.beam_groups and not core.scheduler.groups
+        # A beam that can never fit ends its whole search with an error.
+        sched = core.scheduler
+        core.add_beam_request("c", PROMPTS[2], BeamSearchParams(beam_width=4, max_tokens=MAX_NEW))
+        for _ in range(4):
+            core.step()
+        sched._finish_unfittable(sched.groups["c"][1])
+        (out,) = sched.take_pending_outputs()
+        assert out.finish_reason == "error" and "KV" in out.error
+        assert not sched.beam_groups and not sched.groups and not sched._beam_of
+        assert sched.kv.pool.num_used_blocks == 0 and not sched.running
         with pytest.raises(ValueError, match="max_num_seqs"):
             core.add_beam_request("b", [1, 2], BeamSearchParams(beam_width=9, max_tokens=4))
         with pytest.raises(ValueError, match="temperature"):

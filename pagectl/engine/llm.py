@@ -217,6 +217,8 @@ class LLM:
                 added.append(rid)
             while core.has_unfinished():
                 for o in core.step():
+                    if o.finish_reason == "error":
+                        raise RuntimeError(f"beam search {o.request_id} failed: {o.error}")
                     if o.request_id in found and o.finish_reason != "abort":
                         cum = o.cumulative_logprob if o.cumulative_logprob is not None else 0.0
                         found[o.request_id][o.index] = (list(o.new_token_ids), cum)

@@ -380,6 +380,18 @@ class Scheduler(LiveConfigMixin):
             request=req.seq_id,
             blocks_needed=need,
         )
+        group = self._beam_of.get(req.seq_id)
+        if group is not None:
+            # A beam search ends as a whole, with an error: its other beams leave silently.
+            self.beam_groups.pop(group.request_id, None)
+            if req.error is None:
+                req.error = f"a beam cannot fit the KV pool ({need} blocks > {self.kv.num_blocks})"
+            status = RequestStatus.FINISHED_ERROR
+            for beam in list(self.groups.get(req.request_id, ())):
+                self._beam_of.pop(beam.seq_id, None)
+                if beam is not req:
+                    self._finish(beam, status, emit=False)
+            self._beam_of.pop(req.seq_id, None)
         self._finish(req, status)
 
     def _fork(self, parent: Request) -> None:
