@@ -92,7 +92,11 @@ CONFIGS = {
 }
 
 
-CASES = [("qwen3", c, w) for c in CONFIGS for w in (2, 4)] + [
+CASES = [
+    ("qwen3", "default", 2),
+    ("qwen3", "default", 4),
+    ("qwen3", "no_prefix_cache", 4),
+    ("qwen3", "preempt", 4),
     ("llama", "default", 2),
     ("llama", "preempt", 4),
 ]
