@@ -12,9 +12,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
+    from pagectl.engine.beam_search import BeamSearchParams
     from pagectl.engine.llm import LLM
     from pagectl.engine.sampling_params import SamplingParams
     from pagectl.engine.structured_outputs import StructuredOutputsParams
@@ -30,6 +31,10 @@ def __getattr__(name: str):
         from pagectl.engine.structured_outputs import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "BeamSearchParams":
+        from pagectl.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "SamplingParams":
         from pagectl.engine.sampling_params import SamplingParams
 

@@ -113,8 +113,8 @@ COMPLETION_400 = [
     ({"prompt": "hi", "priority": 1.5}, "priority", "integer"),
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "non-empty"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
-    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported by pagectl"),
-    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "not supported by pagectl"),
+    ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", "not supported by pagectl"),
+    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "requires use_beam_search"),
     (
         {
             "prompt": "hi",
@@ -184,9 +184,9 @@ CHAT_400 = [
         "not supported by pagectl",
     ),
     (
-        {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 3},
-        "use_beam_search",
-        "`use_beam_search` is not supported by pagectl",
+        {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 3},
+        "truncate_prompt_tokens",
+        "`truncate_prompt_tokens` is not supported by pagectl",
     ),
     (
         {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"},

@@ -159,13 +159,13 @@ def test_tool_choice_rules():
 
 
 def test_documented_fields_refused_unknown_ignored():
-    check_fields({"use_beam_search": False, "length_penalty": 1.0, "whatever": 3}, CHAT_FIELDS, "t")
-    for body in ({"use_beam_search": True}, {"length_penalty": 0.5}, {"logits_processors": ["x"]}):
+    check_fields({"bad_words": [], "include_reasoning": True, "whatever": 3}, CHAT_FIELDS, "t")
+    for body in ({"truncate_prompt_tokens": 3}, {"bad_words": ["x"]}, {"logits_processors": ["x"]}):
         with pytest.raises(APIError) as e:
             check_fields(body, CHAT_FIELDS, "t")
         assert e.value.param == next(iter(body)) and "not supported by pagectl" in e.value.message
-    with pytest.raises(APIError):  # True is not the no-op 1 of length_penalty
-        check_fields({"length_penalty": True}, CHAT_FIELDS, "t")
+    with pytest.raises(APIError):  # 1 is not the no-op True of include_reasoning
+        check_fields({"include_reasoning": 1}, CHAT_FIELDS, "t")
 
 
 def test_concurrent_renders_keep_their_own_time_limit():

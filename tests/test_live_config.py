@@ -10,6 +10,7 @@ import pytest
 from pagectl.bench.simulate import make_scheduler
 from pagectl.cli import ctl
 from pagectl.engine.live_config import LIVE_SETTINGS, normalize_name, settings_table
+from pagectl.engine.spec_decode.config import SpeculativeConfig
 from pagectl.tui.knobs import KNOBS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ADMIN_PROTOCOL.md"
@@ -24,7 +25,10 @@ def test_docs_hold_the_generated_table():
 
 
 def test_each_setting_is_applied_by_its_own_method_and_read_back():
-    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=100, max_num_seqs=8)
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    sched = make_scheduler(
+        num_blocks=64, max_num_batched_tokens=100, max_num_seqs=8, speculative_config=spec
+    )
     new = {int: 3, bool: False}
     for s in LIVE_SETTINGS.values():
         before = s.read(sched)

@@ -297,7 +297,7 @@ def test_bad_schema_is_400_and_the_daemon_keeps_serving(client, daemon):
     assert "properties must be an object" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, extra_body={"use_beam_search": True, "n": 2}
+            model="tiny", messages=MESSAGES, extra_body={"bad_words": ["x"]}
         )
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")

@@ -17,6 +17,7 @@ from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pagectl.engine.request import Request
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.scheduler import Scheduler
+from pagectl.engine.spec_decode.config import SpeculativeConfig
 
 
 def make_scheduler(
@@ -27,6 +28,7 @@ def make_scheduler(
     max_num_seqs: int = 256,
     max_model_len: int = 1 << 20,
     enable_prefix_caching: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -41,6 +43,7 @@ def make_scheduler(
             num_kv_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
         ),
+        speculative_config=speculative_config,
     )
 
 

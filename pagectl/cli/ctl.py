@@ -139,6 +139,17 @@ def format_status(s: dict) -> str:
         f"steps {c['steps']}, rejected {c['rejected']}",
         f"requests  running {s['num_running']}, waiting {s['num_waiting']}",
     ]
+    if cfg.get("speculative_method", "none") != "none":
+        drafts = c.get("spec_decode_num_drafts", 0)
+        proposed = c.get("spec_decode_num_draft_tokens", 0)
+        accepted = c.get("spec_decode_num_accepted_tokens", 0)
+        lines.insert(
+            2,
+            f"spec      {cfg['speculative_method']} num_speculative_tokens="
+            f"{cfg.get('num_speculative_tokens')}  acceptance "
+            f"{(accepted / proposed if proposed else 0):.1%}, mean accepted length "
+            f"{(1 + accepted / drafts if drafts else 0):.2f}",
+        )
     reqs = s.get("requests") or []
     if reqs:
         lines.append(

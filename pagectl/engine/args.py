@@ -261,6 +261,16 @@ class EngineArgs:
         'structured outputs, JSON: {"backend": "xgrammar"|"auto", "disable_any_whitespace": bool}',
         metavar="JSON",
     )
+    # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (or its JSON text); None: off. Kept as
+    # given (a plain dict travels to tensor-parallel workers); checked here, parsed by the
+    # builder with SpeculativeConfig.parse.
+    speculative_config: dict | str | None = option(
+        None,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
         self.structured_outputs_config = parse_structured_outputs_config(
@@ -297,6 +307,10 @@ class EngineArgs:
                 raise ValueError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+
+        from pagectl.engine.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
 
     def token_budget(self, device_type: str) -> int:
         """The start-up token budget per step on a device of this type ("cpu", "cuda")."""

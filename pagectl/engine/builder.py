@@ -43,6 +43,7 @@ from pagectl.engine.models.parallel import SINGLE, TPGroup, check_tp_split
 from pagectl.engine.runner.kv_cache import cuda_kv_bytes, default_cpu_kv_bytes, kv_bytes_per_block
 from pagectl.engine.runner.model_runner import ModelRunner
 from pagectl.engine.scheduler import Scheduler
+from pagectl.engine.spec_decode.config import SpeculativeConfig
 from pagectl.engine.telemetry import ModelInfo
 from pagectl.engine.tokenizer import load_tokenizer
 
@@ -139,6 +140,11 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
     path = resolve_model(args.model)
     mcfg = ModelConfig.from_dir(path)
     check_supported(mcfg)
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(
+            "speculative_config: method 'draft_model' is not supported yet; use 'ngram'"
+        )
     device = resolve_device(args.device)
     tp_size = args.tensor_parallel_size
     previous_threads = None
@@ -209,6 +215,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
             num_kv_blocks=rank.num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
         ),
+        speculative_config=spec,
     )
     tokenizer = load_tokenizer(args.tokenizer or path)
     eos = mcfg.eos_token_ids

@@ -14,6 +14,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from pagectl.engine.beam_search import BeamSearchParams
 from pagectl.engine.commands import (
     Abort,
     Command,
@@ -156,7 +157,48 @@ class EngineCore:
             self.scheduler.add_event("rejected", f"rejected {request_id}: {e}", request=request_id)
             raise
 
+    def add_beam_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Start a beam search (``beam_search``): its W results come as sequences 0..W-1 of
+        ``request_id``, each in one output, once the search ends."""
+        w = params.beam_width
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+        )
+        try:
+            req = self.make_request(
+                request_id, prompt_token_ids, sp, priority=priority, cache_salt=cache_salt
+            )
+            # Each beam's row carries its 2W most likely next tokens (raw log-softmax).
+            req.sampling_params = SamplingParams(
+                temperature=0.0,
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
+                logprobs=2 * w,
+            )
+            self.scheduler.add_beam_request(req, params)
+        except ValueError as e:
+            self.scheduler.counters.rejected += 1
+            self.scheduler.add_event("rejected", f"rejected {request_id}: {e}", request=request_id)
+            raise
+
     def add_engine_request(self, er: EngineRequest) -> None:
+        if er.beam_search is not None:
+            self.add_beam_request(
+                er.request_id,
+                er.prompt_token_ids,
+                BeamSearchParams(**er.beam_search),
+                priority=er.priority,
+                cache_salt=er.cache_salt,
+            )
+            return
         sp = SamplingParams(**er.sampling_params)
         self.add_request(
             er.request_id,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pagectl.engine.config import SchedulerConfig
     from pagectl.engine.kv.manager import KVCacheManager
     from pagectl.engine.request import Request
+    from pagectl.engine.spec_decode.config import SpeculativeConfig
     from pagectl.engine.telemetry import Event
 
 
@@ -37,6 +38,11 @@ class LiveSetting:
     # that reads the value in force.
     apply: Callable[[Any, Any], None] = lambda sched, value: None
     read: Callable[[Any], Any] = lambda sched: None
+    # The start-up value the upper bound multiplies; None: the start-up SchedulerConfig's
+    # field of the same name. A function returning None means the setting is unavailable
+    # in this engine, for the reason in ``unavailable``.
+    startup: Callable[[Any], int | None] | None = None
+    unavailable: str = ""
 
     @property
     def flag(self) -> str:
@@ -66,6 +72,8 @@ class LiveConfigMixin:
     running: list[Request]
     paused: bool
     block_size: int
+    num_spec_tokens: int
+    spec_config: SpeculativeConfig | None
 
     if TYPE_CHECKING:
 
@@ -110,7 +118,10 @@ class LiveConfigMixin:
         if setting.type is bool:
             return _parse_bool(name, value)
         v = _parse_int(name, value)
-        high = setting.limit(getattr(self.startup_config, name))
+        start = self.startup_value(setting)
+        if start is None:
+            raise ValueError(f"{name}: {setting.unavailable}")
+        high = setting.limit(start)
         if high is None:
             if v < setting.low:
                 raise ValueError(f"{name} must be >= {setting.low}, got {v}")
@@ -118,6 +129,12 @@ class LiveConfigMixin:
             why = " (the start-up value is the limit)" if setting.startup_factor == 1 else ""
             raise ValueError(f"{name} must be in [{setting.low}, {high}]{why}, got {v}")
         return v
+
+    def startup_value(self, setting: LiveSetting) -> int | None:
+        """The start-up value ``setting``'s upper bound is a multiple of."""
+        if setting.startup is not None:
+            return setting.startup(self)
+        return getattr(self.startup_config, setting.name, None)
 
     # The appliers: every live change of the scheduler's behaviour happens in one of these.
 
@@ -129,6 +146,9 @@ class LiveConfigMixin:
 
     def _set_long_prefill_token_threshold(self, value: int) -> None:
         self.config.long_prefill_token_threshold = value
+
+    def _set_num_speculative_tokens(self, value: int) -> None:
+        self.num_spec_tokens = value
 
     def _set_prefix_caching(self, enabled: bool) -> None:
         kv = self.kv
@@ -176,9 +196,10 @@ class LiveConfigMixin:
             block_size=self.block_size,
             num_kv_blocks=self.kv.num_blocks,
             max_model_len=self.config.max_model_len,
+            speculative_method=self.spec_config.method if self.spec_config else "none",
         )
         for setting in LIVE_SETTINGS.values():
-            high = setting.limit(getattr(self.startup_config, setting.name, 0))
+            high = setting.limit(self.startup_value(setting) or 0)
             if setting.limit_key and high is not None:
                 out[setting.limit_key] = high
         return out
@@ -226,6 +247,22 @@ LIVE_SETTINGS: dict[str, LiveSetting] = {
             label="prefix caching",
             apply=LiveConfigMixin._set_prefix_caching,
             read=lambda sched: sched.kv.enable_prefix_caching,
+        ),
+        LiveSetting(
+            "num_speculative_tokens",
+            int,
+            "most tokens proposed per sequence per step (0: speculation off; up to the "
+            "start-up value)",
+            low=0,
+            startup_factor=1,
+            label="speculative tokens",
+            apply=LiveConfigMixin._set_num_speculative_tokens,
+            read=lambda sched: sched.num_spec_tokens,
+            startup=lambda sched: (
+                sched.spec_config.num_speculative_tokens if sched.spec_config else None
+            ),
+            unavailable="speculative decoding is not configured (start the engine with "
+            "--speculative-config)",
         ),
     )
 }

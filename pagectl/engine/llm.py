@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagectl.engine.args import EngineArgs
+from pagectl.engine.beam_search import BeamSearchParams
 from pagectl.engine.output_processor import OutputProcessor
 from pagectl.engine.outputs import TokenLogprobs
 from pagectl.engine.sampling_params import SamplingParams
@@ -63,6 +64,24 @@ class RequestOutput:
     # Per prompt token (None for the first), when SamplingParams.prompt_logprobs was set.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam search result (vLLM's shape)."""
+
+    # Prompt followed by the generated tokens (EOS included when the beam ended on it).
+    tokens: list[int]
+    # ``tokens`` decoded (special tokens skipped).
+    text: str
+    cum_logprob: float
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of one prompt's beam search: ``beam_width`` sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -149,6 +168,47 @@ class LLM:
             for c in convs
         ]
         return self.generate(prompts, sampling_params)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (all searched together in the engine); per prompt,
+        ``params.beam_width`` sequences, best first (``engine/beam_search.py``)."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        encoded = [self._encode(p) for p in self._normalize_prompts(prompts)]
+        core = self.core
+        rids = [f"beam-{next(self._ids)}" for _ in encoded]
+        found: dict[str, dict[int, tuple[list[int], float]]] = {rid: {} for rid in rids}
+        added: list[str] = []
+        try:
+            for rid, (_, ids) in zip(rids, encoded, strict=True):
+                core.add_beam_request(rid, ids, params)
+                added.append(rid)
+            while core.has_unfinished():
+                for o in core.step():
+                    if o.finish_reason == "error":
+                        raise RuntimeError(f"beam search {o.request_id} failed: {o.error}")
+                    if o.request_id in found and o.finish_reason != "abort":
+                        cum = o.cumulative_logprob if o.cumulative_logprob is not None else 0.0
+                        found[o.request_id][o.index] = (list(o.new_token_ids), cum)
+        except BaseException:
+            for rid in added:
+                core.abort_request(rid)
+            core.scheduler.take_pending_outputs()
+            raise
+        results = []
+        for rid, (_, ids) in zip(rids, encoded, strict=True):
+            seqs = []
+            for j in sorted(found[rid]):
+                toks, cum = found[rid][j]
+                full = ids + toks
+                text = (
+                    self.tokenizer.decode(full, skip_special_tokens=True) if self.tokenizer else ""
+                )
+                seqs.append(BeamSearchSequence(full, text, cum))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def shutdown(self) -> None:
         """Stop the engine and any worker processes. Idempotent."""

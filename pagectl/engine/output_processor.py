@@ -138,10 +138,15 @@ class OutputProcessor:
         lps = out.new_logprobs or _NO_LOGPROBS
         text = ""
         if new:
+            # A speculative run stops at the token that completes a stop string: the later
+            # tokens of the run are dropped, as if they had arrived one by one.
+            text, num = sample.detok.push_run(new)
+            if num < len(new):
+                new = new[:num]
+                lps = lps[:num]
             sample.token_ids.extend(new)
             if lps:
                 sample.logprobs.extend(lps)
-            text = sample.detok.push(new)
         stop = sample.detok.stop_hit
         stop_in_engine = None
         if stop is not None:

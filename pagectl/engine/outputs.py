@@ -36,6 +36,11 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Sequences that left the engine since the previous step: runners drop per-seq state.
     finished_seq_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: empty when no sequence speculates this step, else one list per
+    # scheduled sequence (same order as ``seqs``) of proposed tokens, [] for most. A sequence
+    # with k proposals feeds its last token and then them (its n counts them: n == 1 + k),
+    # and samples k + 1 tokens that the runner verifies against the proposals.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +69,12 @@ class ModelRunnerOutput:
     # seq_id -> logprobs of the prompt tokens covered by this step's chunk (position order;
     # the first prompt token has none and is skipped).
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    # Speculative decoding (None when the step had no proposals): per scheduled sequence
+    # that had proposals, the tokens it gains, in order: the accepted proposals, then the
+    # token sampled after them (1 to k + 1 tokens); [] for the others (which use
+    # ``sampled_token_ids``). ``spec_logprobs`` gives their logprobs when asked for.
+    spec_output_token_ids: list[list[int]] | None = None
+    spec_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -82,6 +93,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # Wall-clock arrival (time.time()) at the API server. The engine measures ages with its
     # own monotonic clock; this is carried for logs and diagnostics.
     arrival_time: float | None = None
+    # Beam search instead of sampling: ``BeamSearchParams`` fields (sampling_params then
+    # only sizes the request: n = beam_width). Its n sequences arrive once, at the end.
+    beam_search: dict | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -106,3 +120,5 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Human-readable cause when finish_reason == "error".
     error: str | None = None
+    # Beam search: the sequence's cumulative logprob (its tokens come in one output).
+    cumulative_logprob: float | None = None

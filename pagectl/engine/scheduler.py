@@ -20,11 +20,14 @@ import time
 from collections import deque
 from itertools import repeat
 
+from pagectl.engine.beam_search import BeamGroup, BeamSearchParams
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.kv.manager import KVCacheManager
 from pagectl.engine.live_config import LiveConfigMixin
 from pagectl.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagectl.engine.request import Request, RequestStatus
+from pagectl.engine.spec_decode.config import SpeculativeConfig
+from pagectl.engine.spec_decode.ngram import NgramProposer
 from pagectl.engine.telemetry import Counters, Event, StepStat
 from pagectl.engine.waiting_queue import WaitingQueue
 
@@ -39,10 +42,24 @@ class Scheduler(LiveConfigMixin):
         *,
         step_history: int = 256,
         event_history: int = 256,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         # The start-up values, which bound the live ones (live_config.LIVE_SETTINGS).
         self.startup_config = dataclasses.replace(scheduler_config)
+        self.spec_config = speculative_config
+        # Live: most tokens proposed per sequence per step (0: speculation off). The
+        # start-up value is its upper bound.
+        self.num_spec_tokens = (
+            speculative_config.num_speculative_tokens if speculative_config else 0
+        )
+        self.proposer = (
+            NgramProposer(
+                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+            )
+            if speculative_config is not None and speculative_config.method == "ngram"
+            else None
+        )
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -65,6 +82,9 @@ class Scheduler(LiveConfigMixin):
         self._pending_outputs: list[EngineCoreOutput] = []
         # Sequences that left since the last schedule() (for the runner to drop state).
         self._finished_seq_ids: list[str] = []
+        # Beam search: request_id -> its group, and seq_id -> group for every live beam.
+        self.beam_groups: dict[str, BeamGroup] = {}
+        self._beam_of: dict[str, BeamGroup] = {}
 
     # -- queries ------------------------------------------------------------------------
 
@@ -98,11 +118,33 @@ class Scheduler(LiveConfigMixin):
         else:
             self.waiting.push(req)
 
+    def add_beam_request(self, req: Request, params: BeamSearchParams) -> None:
+        """Start a beam search from ``req`` (its prompt; greedy with logprobs = 2W)."""
+        if params.beam_width > self.startup_config.max_num_seqs:
+            raise ValueError(
+                f"beam_width {params.beam_width} exceeds max_num_seqs {self.startup_config.max_num_seqs}"
+            )
+        self.add_request(req)
+        group = BeamGroup(
+            req.request_id,
+            params,
+            req.num_prompt_tokens,
+            min(params.max_tokens, req.max_num_tokens - req.num_prompt_tokens),
+            [req],
+        )
+        group.cum[req.seq_id] = 0.0
+        self.beam_groups[req.request_id] = group
+        self._beam_of[req.seq_id] = group
+
     def abort_request(self, request_id: str) -> bool:
         """Finish every sequence of ``request_id`` with "abort", freeing its blocks."""
         seqs = self.groups.get(request_id)
         if not seqs:
             return False
+        group = self.beam_groups.pop(request_id, None)
+        if group is not None:
+            for beam in group.beams:
+                self._beam_of.pop(beam.seq_id, None)
         for req in list(seqs):
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
@@ -188,6 +230,14 @@ class Scheduler(LiveConfigMixin):
         preempted: list[Request] = []
         running = self.running
 
+        # Speculation: a decoding sequence may feed up to spec_k proposals after its last
+        # token (their slots allocated like any token's, the budget counting them).
+        spec_k = self.num_spec_tokens if self.proposer is not None else 0
+        dbs = self.spec_config.disable_by_batch_size if self.spec_config else 0
+        if dbs and len(running) >= dbs:
+            spec_k = 0
+        spec_at: dict[int, list[int]] = {}
+
         # 1. Running sequences first, in order; preempt from the back when blocks run out.
         bs = self.block_size
         i = 0
@@ -202,6 +252,28 @@ class Scheduler(LiveConfigMixin):
                     continue
             else:
                 num_new = ntok - nc
+                if num_new <= 0:
+                    i += 1  # a beam that has its next-token row and waits for its group
+                    continue
+                if (
+                    num_new == 1
+                    and spec_k
+                    and budget > 1
+                    and req.seq_id not in self._beam_of
+                    # A grammar's matcher moves one sampled token at a time: constrained
+                    # sequences decode without proposals.
+                    and req.grammar is None
+                ):
+                    drafts = self._propose(req, min(spec_k, budget - 1))
+                    # Proposals never cause a preemption: without room they are dropped.
+                    if drafts and kv.allocate_slots(req, 1 + len(drafts)):
+                        spec_at[len(seqs)] = drafts
+                        seqs.append(req)
+                        counts.append(1 + len(drafts))
+                        samples.append(True)
+                        budget -= 1 + len(drafts)
+                        i += 1
+                        continue
                 if num_new == 1 and nc % bs and req.blocks[-1].ref_cnt == 1:
                     # Steady decode: the slot is in the sequence's own last block.
                     seqs.append(req)
@@ -238,6 +310,10 @@ class Scheduler(LiveConfigMixin):
         # 2. Admit waiting sequences, unless this step preempted or admission is paused.
         if not preempted and not self.paused:
             self._admit(budget, seqs, counts, samples)
+            if not seqs and self.beam_groups and running and len(self.waiting):
+                # Every running sequence is a beam waiting for a beam that cannot be
+                # admitted: make room (the group advances once that beam has its row).
+                self._preempt(running[-1], PREEMPT_KV_BLOCKS)
 
         block_copies = kv.drain_copies()
         return SchedulerOutput(
@@ -250,7 +326,17 @@ class Scheduler(LiveConfigMixin):
             # Kept until a step runs: the runner learns of finished sequences only through
             # an executed step.
             finished_seq_ids=self._drain_finished_ids() if seqs or block_copies else [],
+            spec_token_ids=[spec_at.get(j, []) for j in range(len(seqs))] if spec_at else [],
         )
+
+    def _propose(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` proposals for a decoding sequence, fewer near its end: the verified
+        run plus the token sampled after it must fit ``max_num_tokens``."""
+        k = min(k, req.max_num_tokens - len(req.all_token_ids) - 1)
+        if k <= 0:
+            return []
+        assert self.proposer is not None
+        return self.proposer.propose(req.all_token_ids, k)
 
     def _admit(
         self, budget: int, seqs: list[Request], counts: list[int], samples: list[bool]
@@ -344,6 +430,18 @@ class Scheduler(LiveConfigMixin):
             request=req.seq_id,
             blocks_needed=need,
         )
+        group = self._beam_of.get(req.seq_id)
+        if group is not None:
+            # A beam search ends as a whole, with an error: its other beams leave silently.
+            self.beam_groups.pop(group.request_id, None)
+            if req.error is None:
+                req.error = f"a beam cannot fit the KV pool ({need} blocks > {self.kv.num_blocks})"
+            status = RequestStatus.FINISHED_ERROR
+            for beam in list(self.groups.get(req.request_id, ())):
+                self._beam_of.pop(beam.seq_id, None)
+                if beam is not req:
+                    self._finish(beam, status, emit=False)
+            self._beam_of.pop(req.seq_id, None)
         self._finish(req, status)
 
     def _fork(self, parent: Request) -> None:
@@ -379,11 +477,23 @@ class Scheduler(LiveConfigMixin):
         recomputed = 0
         finished: list[Request] = []
         lps = logprobs if logprobs is not None else repeat(None)
-        for req, n, sample, tok, lp in zip(
-            so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps
+        spec_in = so.spec_token_ids
+        spec_out = ro.spec_output_token_ids
+        beam_of = self._beam_of
+        ready_groups: list[BeamGroup] = []
+        for j, (req, n, sample, tok, lp) in enumerate(
+            zip(so.seqs, so.num_scheduled_tokens, so.sample, sampled, lps)
         ):
             if req.status is not running_status:
                 continue  # finished while the step ran (e.g. aborted)
+            if spec_in and spec_in[j]:
+                gained = spec_out[j] if spec_out is not None else [tok]
+                spec_lps = ro.spec_logprobs[j] if ro.spec_logprobs is not None else None
+                num_new_tokens = self._update_spec(req, spec_in[j], gained, spec_lps, outputs)
+                num_generated += num_new_tokens
+                if req.status is not running_status:
+                    finished.append(req)
+                continue
             before = req.num_computed_tokens
             after = before + n
             req.num_computed_tokens = after
@@ -401,6 +511,14 @@ class Scheduler(LiveConfigMixin):
                 if prompt_lps and req.seq_id in prompt_lps:
                     outputs.append(self._output(req, [], prompt_logprobs=prompt_lps[req.seq_id]))
                 continue
+            if beam_of:
+                group = beam_of.get(req.seq_id)
+                if group is not None:
+                    assert lp is not None, "a beam samples with logprobs = 2W"
+                    group.pending[req.seq_id] = lp
+                    if group.ready():
+                        ready_groups.append(group)
+                    continue
             tokens = req.all_token_ids
             tokens.append(tok)
             num_generated += 1
@@ -457,6 +575,8 @@ class Scheduler(LiveConfigMixin):
             for req in finished:
                 kv.free(req)
                 self._release(req)
+        for group in ready_groups:
+            num_generated += self._beam_step(group, outputs)
         c = self.counters
         c.prompt_tokens += num_prompt
         c.generation_tokens += num_generated
@@ -477,6 +597,157 @@ class Scheduler(LiveConfigMixin):
                 )
             )
         return outputs
+
+    def _update_spec(
+        self,
+        req: Request,
+        proposals: list[int],
+        gained: list[int],
+        gained_logprobs: list | None,
+        outputs: list[EngineCoreOutput],
+    ) -> int:
+        """Advance a sequence that verified ``proposals`` and gained ``gained`` (its accepted
+        proposals, then one sampled token). Returns how many tokens it gained (fewer than
+        ``gained`` when it finished inside the run).
+
+        Its computed tokens become the last token plus the accepted proposals; blocks holding
+        only rejected slots go back to the pool; only then are full blocks offered to the
+        prefix cache, so no hash ever covers a rejected token. A stop token or the length
+        limit inside the run cuts it there.
+        """
+        c = self.counters
+        m = len(gained) - 1
+        c.spec_decode_num_drafts += 1
+        c.spec_decode_num_draft_tokens += len(proposals)
+        c.spec_decode_num_accepted_tokens += m
+        per_pos = c.spec_decode_num_accepted_tokens_per_pos
+        if len(per_pos) < len(proposals):
+            per_pos.extend([0] * (len(proposals) - len(per_pos)))
+        for p in range(m):
+            per_pos[p] += 1
+        tokens = req.all_token_ids
+        stop_ids = req.stop_ids
+        new: list[int] = []
+        status = None
+        for t in gained:
+            tokens.append(t)
+            new.append(t)
+            if t in stop_ids and len(tokens) >= req.min_num_tokens:
+                status = RequestStatus.FINISHED_STOPPED
+                if t in req.sampling_params.stop_token_ids:
+                    req.stop_reason = t
+                break
+            if len(tokens) >= req.max_num_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        # The last token before the step, and each accepted proposal, are now computed.
+        req.num_computed_tokens += len(new)
+        kv = self.kv
+        kv.release_slots_beyond(req, req.num_computed_tokens)
+        if kv.enable_prefix_caching and req.num_computed_tokens // self.block_size > (
+            req.num_registered_blocks
+        ):
+            kv.cache_full_blocks(req)
+        if status is not None:
+            req.status = status
+        outputs.append(
+            self._output(
+                req,
+                new,
+                new_logprobs=gained_logprobs[: len(new)] if gained_logprobs else None,
+            )
+        )
+        return len(new)
+
+    # -- beam search --------------------------------------------------------------------
+
+    def _beam_step(self, group: BeamGroup, outputs: list[EngineCoreOutput]) -> int:
+        """Advance a group whose beams all have their next-token rows (``BeamGroup.step``):
+        extend, fork and free beams, or end the search. Returns tokens appended."""
+        used = 0
+        for beam in group.beams:
+            used += len(beam.blocks)
+        group.peak_blocks = max(group.peak_blocks, used)
+        conts = group.step()
+        new_beams: list[Request] = []
+        appended = 0
+        for beam, cs in conts:
+            if not cs:
+                self._drop_beam(beam)
+                continue
+            # Forks first: they copy the beam's tokens before it grows.
+            for tok, cum in cs[1:]:
+                child = self._fork_beam(beam, group)
+                child.all_token_ids.append(tok)
+                group.cum[child.seq_id] = cum
+                new_beams.append(child)
+            tok, cum = cs[0]
+            beam.all_token_ids.append(tok)
+            group.cum[beam.seq_id] = cum
+            new_beams.append(beam)
+            appended += len(cs)
+        new_beams.sort(key=lambda b: -group.cum[b.seq_id])
+        group.beams = new_beams
+        if group.done:
+            self._finish_beam_group(group, outputs)
+        return appended
+
+    def _fork_beam(self, parent: Request, group: BeamGroup) -> Request:
+        """A new beam sharing every block of ``parent`` (same tokens so far)."""
+        child = Request.__new__(Request)
+        for slot in Request.__slots__:
+            setattr(child, slot, getattr(parent, slot))
+        child.seq_id = f"{parent.request_id}#b{group.next_child}"
+        group.next_child += 1
+        child.all_token_ids = list(parent.all_token_ids)
+        child.blocks = []
+        child.block_ids = []
+        child.block_hashes = []
+        self.kv.fork(parent, child)
+        self.groups[parent.request_id].append(child)
+        self._beam_of[child.seq_id] = group
+        if parent.status == RequestStatus.RUNNING:
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:  # the parent lost its blocks to a preemption: the child recomputes too
+            self.waiting.push_front(child)
+        return child
+
+    def _drop_beam(self, beam: Request) -> None:
+        """Free a beam that no candidate continues (its blocks go back at once)."""
+        prev = beam.status
+        beam.status = RequestStatus.FINISHED_STOPPED
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(beam)
+        elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.discard(beam)
+        self.kv.free(beam)
+        seqs = self.groups.get(beam.request_id)
+        if seqs is not None and beam in seqs:
+            seqs.remove(beam)
+        self._beam_of.pop(beam.seq_id, None)
+        self._finished_seq_ids.append(beam.seq_id)
+
+    def _finish_beam_group(self, group: BeamGroup, outputs: list[EngineCoreOutput]) -> None:
+        """Emit the finished hypotheses, best first, as sequences 0..W-1 of the request."""
+        for beam in list(group.beams):
+            self._drop_beam(beam)
+        group.beams = []
+        rid = group.request_id
+        self.groups.pop(rid, None)
+        self.beam_groups.pop(rid, None)
+        fbr = self.counters.finished_by_reason
+        for j, res in enumerate(group.results()):
+            fbr[res.finish_reason] = fbr.get(res.finish_reason, 0) + 1
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    j,
+                    res.token_ids,
+                    res.finish_reason,
+                    num_prompt_tokens=group.num_prompt_tokens,
+                    cumulative_logprob=res.cum_logprob,
+                )
+            )
 
     def finish_by_stop_string(self, request_id: str, index: int, stop: str) -> None:
         """Finish one sequence whose text hit a stop string (found by the detokenizer)."""

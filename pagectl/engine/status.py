@@ -25,6 +25,9 @@ _COUNTERS = (
     "finished_by_reason",
     "rejected",
     "evictions",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 

@@ -81,6 +81,13 @@ class Counters(msgspec.Struct):
     grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
+    # Speculative decoding (vLLM's names): verifications run (one per sequence per step with
+    # proposals), tokens proposed, proposals accepted, and accepted proposals by position
+    # (index j: the (j+1)-th proposal of a run was accepted).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class StepStat(msgspec.Struct, array_like=True):

@@ -96,6 +96,20 @@ class IncrementalDetokenizer:
             return self._take(len(self.text))
         return self._take(len(self.text) - self._hold)
 
+    def push_run(self, new_token_ids: list[int]) -> tuple[str, int]:
+        """Like ``push`` for a run of several tokens (speculative decoding), but stops at the
+        token that completes a stop string. Returns the text and how many of the tokens
+        count (all of them unless a stop string ended the run inside it), so the output is
+        the same as when the tokens arrive one by one."""
+        if not self.stop or len(new_token_ids) <= 1:
+            return self.push(new_token_ids), len(new_token_ids)
+        text = ""
+        for i, t in enumerate(new_token_ids):
+            text += self.push([t])
+            if self.stop_hit is not None:
+                return text, i + 1
+        return text, len(new_token_ids)
+
     def _append(self, delta: str) -> None:
         """Add decoded text and look for a stop string in what could newly match."""
         search_from = max(0, len(self.text) - self._hold)

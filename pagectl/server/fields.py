@@ -14,8 +14,6 @@ log = logging.getLogger("pagectl.server")
 
 # Field -> the values that change nothing (accepted). Missing or null is always accepted.
 _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
     "truncate_prompt_tokens": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -45,8 +43,12 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "functions": (),
 }
 
+# Beam search (server/validation.py: _beam_search), on both endpoints.
+_BEAM_SEARCH_FIELDS = ("use_beam_search", "length_penalty", "early_stopping")
+
 COMPLETION_FIELDS = frozenset(
     [
+        *_BEAM_SEARCH_FIELDS,
         "model",
         "prompt",
         "best_of",
@@ -90,6 +92,7 @@ COMPLETION_FIELDS = frozenset(
 )
 CHAT_FIELDS = frozenset(
     [
+        *_BEAM_SEARCH_FIELDS,
         "messages",
         "model",
         "frequency_penalty",

@@ -161,6 +161,35 @@ class _EngineCollector:
             "Constrained requests served by the compiled-grammar cache.",
             c.grammar_cache_hits,
         )
+        if s.config.get("speculative_method", "none") != "none":
+            yield from _spec_decode_metrics(c)
+
+
+def _spec_decode_metrics(c) -> Iterator[Metric]:
+    """Speculative decoding counters, named as vLLM's (only when it is configured)."""
+    yield _counter(
+        "pagectl:spec_decode_num_drafts",
+        "Verifications run (one per sequence per step with proposals).",
+        c.spec_decode_num_drafts,
+    )
+    yield _counter(
+        "pagectl:spec_decode_num_draft_tokens",
+        "Tokens proposed.",
+        c.spec_decode_num_draft_tokens,
+    )
+    yield _counter(
+        "pagectl:spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted.",
+        c.spec_decode_num_accepted_tokens,
+    )
+    per_pos = CounterMetricFamily(
+        "pagectl:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted proposals by position in the proposed run (0: the first).",
+        labels=["position"],
+    )
+    for pos, value in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], value)
+    yield per_pos
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

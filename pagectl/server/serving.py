@@ -162,6 +162,7 @@ class Generation:
     def submit(self) -> None:
         """Send every prompt to the engine (raises ``EngineDeadError`` if it is gone)."""
         sp = dataclasses.asdict(self.spec.params)
+        beam = dataclasses.asdict(self.spec.beam) if self.spec.beam is not None else None
         for run in self.runs:
             self.engine.submit(
                 EngineRequest(
@@ -171,6 +172,7 @@ class Generation:
                     priority=self.spec.priority,
                     cache_salt=self.spec.cache_salt,
                     arrival_time=self.arrival,
+                    beam_search=beam,
                 ),
                 self.queue,
             )

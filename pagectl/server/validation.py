@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagectl.engine.beam_search import BeamSearchParams
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.server import chat
 from pagectl.server.chat import ChatSettings
@@ -79,6 +80,8 @@ class GenerationSpec:
     tools: ToolSpec | None = None
     # Completions: top-k logprobs of each prompt token, returned per choice (None: off).
     prompt_logprobs: int | None = None
+    # use_beam_search: the beam search (beam_width = n) that replaces sampling.
+    beam: BeamSearchParams | None = None
 
 
 def check_model(body: dict, facts: ModelFacts) -> None:
@@ -105,6 +108,62 @@ _NUMBER_FIELDS = (
 )
 _INT_FIELDS = ("n", "top_k", "seed", "min_tokens")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+# Sampling fields that mean nothing to beam search, with the values that change nothing:
+# any other value is refused with use_beam_search.
+_BEAM_NO_OP: dict[str, tuple] = {
+    "temperature": (0,),
+    "top_p": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "stop": ([],),
+    "stop_token_ids": ([],),
+    "min_tokens": (0,),
+    "logprobs": (False,),
+    "echo": (False,),
+    "include_stop_str_in_output": (False,),
+    "seed": (),
+    "top_logprobs": (),
+}
+
+
+def _beam_search(body: dict, spec: GenerationSpec) -> None:
+    """vLLM's beam search fields: ``use_beam_search`` (beam width = n), ``length_penalty``
+    and ``early_stopping`` (true, false or "never"); the latter two need the first."""
+    if not get_bool(body, "use_beam_search"):
+        for name in ("length_penalty", "early_stopping"):
+            if body.get(name) is not None:
+                raise bad_request(f"{name} requires use_beam_search", name)
+        return
+    if spec.stream:
+        raise bad_request("streaming is not supported with use_beam_search", "stream")
+    for name, no_op in _BEAM_NO_OP.items():
+        v = body.get(name)
+        if v is not None and not any(
+            v == a and isinstance(v, bool) == isinstance(a, bool) for a in no_op
+        ):
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
+    early = body.get("early_stopping", False)
+    if early not in (True, False, "never") or early in (0, 1) and not isinstance(early, bool):
+        raise bad_request('early_stopping must be true, false or "never"', "early_stopping")
+    p = spec.params
+    if p.max_tokens is None:
+        raise bad_request("use_beam_search needs max_tokens", "max_tokens")
+    try:
+        spec.beam = BeamSearchParams(
+            beam_width=p.n,
+            max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos,
+            length_penalty=float(get_number(body, "length_penalty", 1.0)),
+            early_stopping=early,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), "n") from None
 
 
 def _sampling_kwargs(body: dict) -> dict[str, Any]:
@@ -335,6 +394,7 @@ def parse_completion(body: dict, facts: ModelFacts) -> GenerationSpec:
         prompt_logprobs=prompt_logprobs,
     )
     _common(body, spec)
+    _beam_search(body, spec)
     _check_context(prompts, params.max_tokens, facts, "prompt")
     return spec
 
@@ -397,5 +457,6 @@ def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
     params = _build_params(kw, facts.vocab_size)
     spec = GenerationSpec([prompt], params, logprobs=logprobs, constraint=constraint, tools=tools)
     _common(body, spec)
+    _beam_search(body, spec)
     _check_context([prompt], params.max_tokens, facts, "messages")
     return spec

@@ -38,6 +38,8 @@ class FakeExecutor:
             raise RuntimeError(f"injected failure at step {self.steps}")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        if so.spec_token_ids:
+            return self._verify(so)
         sampled = []
         lps: list[TokenLogprobs | None] = []
         for req, sample in zip(so.seqs, so.sample, strict=False):
@@ -45,13 +47,53 @@ class FakeExecutor:
             sampled.append(tok)
             k = req.sampling_params.logprobs
             if sample and k is not None:
-                top = [(tok, -0.25)] + [
-                    ((tok + j) % self.vocab_size, -1.0 - j) for j in range(1, k)
-                ]
-                lps.append(TokenLogprobs(-0.25, 1, top[:k]))
+                lps.append(self._logprobs(tok, k))
             else:
                 lps.append(None)
         return ModelRunnerOutput(sampled, lps if any(lp is not None for lp in lps) else None)
+
+    def _verify(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """A speculative step: each proposal is checked against the fake model's token there."""
+        sampled: list[int] = []
+        gained_all: list[list[int]] = []
+        spec_lps: list[list[TokenLogprobs] | None] = []
+        for req, sample, drafts in zip(so.seqs, so.sample, so.spec_token_ids, strict=True):
+            k = req.sampling_params.logprobs
+            if not sample:
+                sampled.append(-1)
+                gained_all.append([])
+                spec_lps.append(None)
+                continue
+            view = _TokensView(req)
+            gained: list[int] = []
+            for d in [*drafts, None]:
+                t = self.next_token(view)
+                gained.append(t)
+                if d is None or t != d:
+                    break
+                view.all_token_ids.append(d)
+            sampled.append(gained[0])
+            gained_all.append(gained if drafts else [])
+            spec_lps.append(None if k is None else [self._logprobs(t, k) for t in gained])
+        lps = [x[0] if x else None for x in spec_lps]
+        return ModelRunnerOutput(
+            sampled,
+            lps if any(lp is not None for lp in lps) else None,
+            spec_output_token_ids=gained_all,
+            spec_logprobs=spec_lps if any(x is not None for x in spec_lps) else None,
+        )
+
+    def _logprobs(self, tok: int, k: int) -> TokenLogprobs:
+        top = [(tok, -0.25)] + [((tok + j) % self.vocab_size, -1.0 - j) for j in range(1, k)]
+        return TokenLogprobs(-0.25, 1, top[:k])
+
+
+class _TokensView:
+    """A sequence's tokens (a copy) and sample index, as ``FakeExecutor.next_token`` reads."""
+
+    def __init__(self, req: Any) -> None:
+        self.all_token_ids = list(req.all_token_ids)
+        self.index = req.index
 
 
 @dataclass
@@ -80,6 +122,7 @@ def fake_engine(args: Any) -> FakeBuiltEngine:
     from pagectl.engine.config import CacheConfig, SchedulerConfig
     from pagectl.engine.core import EngineCore
     from pagectl.engine.scheduler import Scheduler
+    from pagectl.engine.spec_decode.config import SpeculativeConfig
     from pagectl.engine.telemetry import ModelInfo
     from pagectl.engine.tokenizer import load_tokenizer
 
@@ -96,6 +139,7 @@ def fake_engine(args: Any) -> FakeBuiltEngine:
             policy=args.scheduling_policy,
         ),
         CacheConfig(args.block_size, args.num_kv_blocks or 256, args.enable_prefix_caching),
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
     )
     name = args.served_model_name or "fake-model"
     executor = FakeExecutor(

@@ -115,6 +115,8 @@ class BlockPool:
         self.num_evictions = 0
         # Free blocks that are registered in the prefix cache (evictable cached prefixes).
         self.num_cached_free_blocks = 0
+        # Most blocks in use at once since start (or since the last reset of this field).
+        self.peak_used_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,6 +145,9 @@ class BlockPool:
             b.ref_cnt = 1
             ref_bytes[b.block_id] = 1
             out.append(b)
+        used = self.num_blocks - self.free_block_queue.num_free_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
         return out
 
     def _evict(self, b: KVBlock) -> None:

@@ -121,6 +121,17 @@ class KVCacheManager:
             req.block_ids.extend(b.block_id for b in new)
         return True
 
+    def release_slots_beyond(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks of ``req`` that hold no slot below ``num_tokens`` (slots of
+        rejected speculative tokens). They were allocated for this sequence alone and never
+        registered, so they go to the head of the free list."""
+        keep = -(-num_tokens // self.block_size)
+        blocks = req.blocks
+        if len(blocks) > keep:
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+            del req.block_ids[keep:]
+
     def free(self, req: Request) -> None:
         """Release all of ``req``'s blocks, tail first (its tail is evicted before its head)."""
         if req.blocks:

@@ -50,7 +50,8 @@ class StepArrays:
     seq_lens: np.ndarray  # [S]
     # Each sequence's blocks, padded with the scratch block.
     block_tables: np.ndarray  # [S, max blocks]
-    # Hidden rows to compute logits for (prompt-logprob rows, then one per sampling sequence).
+    # Hidden rows to compute logits for (prompt-logprob rows, then one per sampling sequence,
+    # k + 1 for a sequence verifying k proposals).
     logits_rows: np.ndarray  # [R]
     # Leading sequences that feed one token each.
     num_decodes: int
@@ -68,6 +69,9 @@ class SamplingPlan:
     sample_indices: list[int] = field(default_factory=list)
     num_prompt_logprob_rows: int = 0
     prompt_logprobs: list[PromptLogprobsPlan] = field(default_factory=list)
+    # Speculative steps only (else empty): logits rows of each sampling sequence, parallel
+    # to ``sample_indices`` (1, or k + 1 for a sequence with k proposals).
+    num_sample_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -129,8 +133,15 @@ class BatchBuilder:
         many leading prompt positions already had their logprobs returned (updated here for
         the positions scored this step)."""
         bs = self.block_size
-        seqs = so.seqs
+        seqs: list = so.seqs
         counts = so.num_scheduled_tokens
+        sample = so.sample
+        spec = so.spec_token_ids
+        # Scheduler index of each entry (entries are the scheduled sequences, except that a
+        # speculating one becomes k + 1 one-token entries, see _expand_spec).
+        owner: list[int] | None = None
+        if spec:
+            seqs, counts, sample, owner = _expand_spec(so)
         decodes = [i for i, n in enumerate(counts) if n == 1]
         decodes.sort(key=lambda i: seqs[i].num_computed_tokens)
         order = decodes + [i for i, n in enumerate(counts) if n != 1]
@@ -185,16 +196,35 @@ class BatchBuilder:
                     rows = np.arange(first, last) - start + cu[r]
                     plans.append(
                         PromptLogprobsPlan(
-                            i, num_prompt_rows, req.all_token_ids[first + 1 : last + 1], k
+                            i if owner is None else owner[i],
+                            num_prompt_rows,
+                            req.all_token_ids[first + 1 : last + 1],
+                            k,
                         )
                     )
                     prompt_rows.append(rows)
                     num_prompt_rows += last - first
                     prompt_scored[req.seq_id] = last
-            if so.sample[i]:
+            if sample[i]:
                 sample_indices.append(i)
                 sample_rows.append(int(cu[r + 1]) - 1)
+        num_sample_rows: list[int] = []
+        if owner is not None:
+            # Rows in entry order, so that a sequence's verification rows are consecutive
+            # (j = 0..k); then one sample index per scheduled sequence.
+            pairs = sorted(zip(sample_indices, sample_rows, strict=True))
+            sample_rows = [row for _, row in pairs]
+            sample_indices = []
+            for e, _ in pairs:
+                i = owner[e]
+                if sample_indices and sample_indices[-1] == i:
+                    num_sample_rows[-1] += 1
+                else:
+                    sample_indices.append(i)
+                    num_sample_rows.append(1)
         logits_rows = np.concatenate(prompt_rows + [np.asarray(sample_rows, np.int64)])
+        if owner is not None:
+            order = [owner[i] for i in order]
 
         token_seq_lens = None
         if self.dynamic_rope_len is not None and int(seq_lens.max()) > self.dynamic_rope_len:
@@ -210,7 +240,7 @@ class BatchBuilder:
             num_decodes=len(decodes),
             token_seq_lens=token_seq_lens,
         )
-        return arrays, SamplingPlan(order, sample_indices, num_prompt_rows, plans)
+        return arrays, SamplingPlan(order, sample_indices, num_prompt_rows, plans, num_sample_rows)
 
     def from_arrays(self, a: StepArrays) -> StepBatch:
         """Device tensors and attention metadata for ``a`` (at least one sequence)."""
@@ -238,3 +268,60 @@ class BatchBuilder:
             meta=meta,
             logits_rows=self._to_device(a.logits_rows),
         )
+
+
+class _VerifyRow:
+    """Entry j of a speculating sequence: one token at position num_computed_tokens + j
+    (its last token for j = 0, else proposal j), over the sequence's block table. As a
+    one-token row it runs with the decode rows, attending to every position up to its own:
+    all rows' K/V are written before attention, so row j sees proposals 1..j-1."""
+
+    __slots__ = ("all_token_ids", "num_computed_tokens", "block_ids", "sampling_params", "seq_id")
+
+    def __init__(self, req, position: int, token: int) -> None:
+        # Indexed by position like a sequence's own list: only [position] is read.
+        self.all_token_ids = _OneToken(position, token)
+        self.num_computed_tokens = position
+        self.block_ids = req.block_ids
+        self.sampling_params = req.sampling_params
+        self.seq_id = req.seq_id
+
+
+class _OneToken:
+    """A list-like holding one token at ``position`` (what ``plan`` slices)."""
+
+    __slots__ = ("position", "token")
+
+    def __init__(self, position: int, token: int) -> None:
+        self.position = position
+        self.token = token
+
+    def __getitem__(self, sl: slice) -> list[int]:
+        assert sl.start == self.position and sl.stop == self.position + 1
+        return [self.token]
+
+
+def _expand_spec(so: SchedulerOutput) -> tuple[list, list[int], list[bool], list[int]]:
+    """Entries of a speculative step: each sequence with k proposals becomes k + 1
+    one-token ``_VerifyRow`` entries (each sampling), the others stay as they are.
+    Returns entries, their token counts, their sample flags and their scheduler indices."""
+    seqs: list = []
+    counts: list[int] = []
+    sample: list[bool] = []
+    owner: list[int] = []
+    for i, (req, n, smp, drafts) in enumerate(
+        zip(so.seqs, so.num_scheduled_tokens, so.sample, so.spec_token_ids, strict=True)
+    ):
+        if not drafts:
+            seqs.append(req)
+            counts.append(n)
+            sample.append(smp)
+            owner.append(i)
+            continue
+        nc = req.num_computed_tokens
+        for j, tok in enumerate([req.all_token_ids[nc], *drafts]):
+            seqs.append(_VerifyRow(req, nc + j, tok))
+            counts.append(1)
+            sample.append(True)
+            owner.append(i)
+    return seqs, counts, sample, owner

@@ -29,10 +29,11 @@ from pagectl.engine.attention import select_backend
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.decoder import DecoderForCausalLM
 from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagectl.engine.runner.input_batch import BatchBuilder, StepArrays, StepBatch
+from pagectl.engine.runner.input_batch import BatchBuilder, SamplingPlan, StepArrays, StepBatch
 from pagectl.engine.runner.kv_cache import KVCachePool, kv_bytes_per_block
 from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
 from pagectl.engine.runner.sampler import Sampler
+from pagectl.engine.spec_decode.verify import SpecRow, num_accepted
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,8 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] | None = None
         plan = batch.sampling
         p = plan.num_prompt_logprob_rows
+        if plan.num_sample_rows:
+            return self._sample_spec(so, plan, logits, sampler)
         if plan.sample_indices:
             result = sampler(logits[p:], [seqs[i] for i in plan.sample_indices])
             for i, tok in zip(plan.sample_indices, result.token_ids, strict=True):
@@ -242,13 +245,59 @@ class ModelRunner:
                 logprobs = [None] * len(seqs)
                 for i, lp in zip(plan.sample_indices, result.logprobs, strict=True):
                     logprobs[i] = lp
-        prompt_logprobs = None
-        if plan.prompt_logprobs:
-            prompt_logprobs = {}
-            for pl in plan.prompt_logprobs:
-                n = len(pl.target_token_ids)
-                rows = logits[pl.row_start : pl.row_start + n]
-                targets = torch.tensor(pl.target_token_ids, dtype=torch.long, device=rows.device)
-                seq_id = seqs[pl.seq_index].seq_id
-                prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, pl.num_logprobs)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs(seqs, plan, logits))
+
+    def _prompt_logprobs(
+        self, seqs: list, plan: SamplingPlan, logits: torch.Tensor
+    ) -> dict[str, list[TokenLogprobs]] | None:
+        if not plan.prompt_logprobs:
+            return None
+        prompt_logprobs = {}
+        for pl in plan.prompt_logprobs:
+            n = len(pl.target_token_ids)
+            rows = logits[pl.row_start : pl.row_start + n]
+            targets = torch.tensor(pl.target_token_ids, dtype=torch.long, device=rows.device)
+            seq_id = seqs[pl.seq_index].seq_id
+            prompt_logprobs[seq_id] = compute_prompt_logprobs(rows, targets, pl.num_logprobs)
+        return prompt_logprobs
+
+    def _sample_spec(
+        self, so: SchedulerOutput, plan: SamplingPlan, logits: torch.Tensor, sampler: Sampler
+    ) -> ModelRunnerOutput:
+        """Sample every verification row, then keep each sequence's accepted run
+        (``spec_decode.verify``)."""
+        seqs = so.seqs
+        spec = so.spec_token_ids
+        rows: list[Any] = []
+        for i, c in zip(plan.sample_indices, plan.num_sample_rows, strict=True):
+            req = seqs[i]
+            rows.append(req)
+            if c > 1:
+                drafts = spec[i]
+                rows.extend(SpecRow(req, drafts[:j]) for j in range(1, c))
+        result = sampler(logits[plan.num_prompt_logprob_rows :], rows)
+        toks, lps = result.token_ids, result.logprobs
+        sampled = [-1] * len(seqs)
+        logprobs: list[TokenLogprobs | None] | None = None if lps is None else [None] * len(seqs)
+        spec_out: list[list[int]] = [[] for _ in seqs]
+        spec_lps: list[list[TokenLogprobs] | None] | None = None
+        if lps is not None:
+            spec_lps = [None] * len(seqs)
+        r = 0
+        for i, c in zip(plan.sample_indices, plan.num_sample_rows, strict=True):
+            sampled[i] = toks[r]
+            if lps is not None:
+                logprobs[i] = lps[r]  # type: ignore[index]
+            if c > 1:
+                m = num_accepted(spec[i], toks[r : r + c - 1])
+                spec_out[i] = toks[r : r + m + 1]
+                if lps is not None and lps[r] is not None:
+                    spec_lps[i] = lps[r : r + m + 1]  # type: ignore[index,assignment]
+            r += c
+        return ModelRunnerOutput(
+            sampled,
+            logprobs,
+            self._prompt_logprobs(seqs, plan, logits),
+            spec_output_token_ids=spec_out,
+            spec_logprobs=spec_lps,
+        )

@@ -69,7 +69,11 @@ class Trends(Widget):
         self.refresh()
 
     def get_content_height(self, container, viewport, width) -> int:  # type: ignore[override]
-        return 7
+        return 8 if self._speculating() else 7
+
+    def _speculating(self) -> bool:
+        snap = self.snapshot
+        return snap is not None and snap.config.get("speculative_method", "none") != "none"
 
     def render(self) -> Text:
         h, snap = self.history, self.snapshot
@@ -134,6 +138,20 @@ class Trends(Widget):
                 f"{fmt.count(sched)} / {fmt.count(budget)} budget",
             ),
         ]
+        if self._speculating():
+            # Speculative decoding: acceptance rate and mean accepted length since start.
+            proposed = c.spec_decode_num_draft_tokens
+            accepted = c.spec_decode_num_accepted_tokens
+            drafts = c.spec_decode_num_drafts
+            rows.append(
+                (
+                    "spec accept",
+                    Text(" " * width),
+                    f"{fmt.pct(accepted / proposed if proposed else 0.0)} · mean length "
+                    f"{1 + accepted / drafts if drafts else 0.0:.2f} · "
+                    f"K={snap.config.get('num_speculative_tokens', '?')}",
+                )
+            )
         for i, (label, line, value) in enumerate(rows):
             if i:
                 t.append("\n")

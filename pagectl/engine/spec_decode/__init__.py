@@ -1,0 +1,1 @@
+"""Speculative decoding: configuration, proposers and the acceptance rule."""
