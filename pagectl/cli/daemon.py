@@ -8,7 +8,12 @@ import argparse
 import os
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
+from pagectl.engine.args import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    GENERATION_CONFIG_MODES,
+    QUANTIZATIONS,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--dtype", choices=DTYPES, default="auto")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    m.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="weight-only quantization made at load time (CPU): int8 per output channel, int4 "
+        "in groups of 128 (default: as the checkpoint; AWQ/GPTQ load as int4)",
+    )
     m.add_argument(
         "--tp",
         "--tensor-parallel-size",

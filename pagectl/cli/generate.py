@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS, GENERATION_CONFIG_MODES
+from pagectl.engine.args import ATTENTION_BACKENDS, GENERATION_CONFIG_MODES, QUANTIZATIONS
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +18,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="weight-only quantization made at load time (CPU): int8 per output channel, int4 "
+        "in groups of 128 (default: as the checkpoint; AWQ/GPTQ load as int4)",
+    )
     p.add_argument(
         "--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1
     )
@@ -93,6 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -9,6 +9,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight-only quantization made at load time (pagectl/engine/quant).
+QUANTIZATIONS = ("int8", "int4")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-kernel", "flash")
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -61,6 +63,10 @@ class EngineArgs:
     dtype: str = "auto"
     # "auto": cuda when available, else cpu.
     device: str = "auto"
+    # Weight-only quantization made at load time from a float checkpoint (CPU): "int8" (per
+    # output channel) or "int4" (groups of 128 input features); None: as the checkpoint
+    # (AWQ/GPTQ load as int4, FP8 with its scales applied, anything else refused by name).
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     block_size: int = 16
     # KV pool size: an exact block count, or a memory budget, or (CUDA) a fraction of memory.
@@ -92,6 +98,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.tensor_parallel_size < 1:

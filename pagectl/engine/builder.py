@@ -129,8 +129,8 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
     """
     path = resolve_model(args.model)
     mcfg = ModelConfig.from_dir(path)
-    check_supported(mcfg)
     device = resolve_device(args.device)
+    check_supported(mcfg, args.quantization, device.type)
     tp_size = args.tensor_parallel_size
     previous_threads = None
     if tp_size == 1:
@@ -250,7 +250,7 @@ def build_rank(
     at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready)."""
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
-    model = load_model(path, mcfg, dtype, device, tp)
+    model = load_model(path, mcfg, dtype, device, tp, args.quantization)
     sync.barrier("loaded")
 
     max_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
