@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory prepended to PYTHONPATH for transformers serve only (its serving extras)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    from pagectl.bench.peer_rounds import add_peer_arguments
+
+    add_peer_arguments(p, slots=False)
     add_engine_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
@@ -194,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagectl bench serve: {e}", file=sys.stderr)
         return 2
     workload = random_workload(spec)
+    if args.peer:
+        if args.url:
+            print("pagectl bench serve: --peer starts its own daemon (no --url)", file=sys.stderr)
+            return 2
+        return _run_peer_rounds(args, model, spec)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: dict[str, Any] = {}
     started = None
@@ -233,6 +241,21 @@ def run(args: argparse.Namespace) -> int:
     print(render(report))
     if args.json:
         print(dumps(report))
+    return 0
+
+
+def _run_peer_rounds(args: argparse.Namespace, model: str, spec: Any) -> int:
+    """``--peer``: the daemon and the named peers' servers in alternating rounds."""
+    from pagectl.bench.peer_rounds import run_serve_rounds
+
+    try:
+        out = run_serve_rounds(args, model, spec, engine_flags(args) + list(args.daemon_arg))
+    except (ValueError, RuntimeError) as e:
+        print(f"pagectl bench serve: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        report = {"benchmark": "serve-peers", "model": model, "workload": asdict(spec)}
+        print(dumps({**report, "concurrency": args.concurrency, "machine": machine_info(), **out}))
     return 0
 
 

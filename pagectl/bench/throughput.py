@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="sequence length of the forward-limit probe",
     )
+    from pagectl.bench.peer_rounds import add_peer_arguments
+
+    add_peer_arguments(p, slots=True)
     p.add_argument(
         "--profile",
         action="store_true",
@@ -269,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         f"model {model}; {len(workload)} requests, {total_output_tokens(workload)} output tokens; "
         f"torch threads {torch.get_num_threads()}"
     )
+    if args.peer:
+        return _run_peer_rounds(args, model, spec)
     results: list[EngineResult] = []
 
     if not args.no_pagectl:
@@ -300,6 +305,24 @@ def run(args: argparse.Namespace) -> int:
         print(prof["top_functions"])
     if args.json:
         print(dumps(report))
+    return 0
+
+
+def _run_peer_rounds(args: argparse.Namespace, model: str, spec: WorkloadSpec) -> int:
+    """``--peer``: pagectl and the named peers in alternating rounds (peer_rounds.py)."""
+    import torch
+
+    from pagectl.bench.peer_rounds import run_throughput_rounds
+
+    print(format_header(spec, model, torch.get_num_threads()))
+    try:
+        out = run_throughput_rounds(args, model, spec)
+    except (ValueError, RuntimeError) as e:
+        print(f"pagectl bench throughput: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        report = {"benchmark": "throughput-peers", "model": model, "workload": asdict(spec)}
+        print(dumps({**report, "machine": machine_info(), **out}))
     return 0
 
 
