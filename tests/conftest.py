@@ -49,9 +49,11 @@ def tok_dir(tmp_path_factory):
 def make_client(aiohttp_client, tok_dir):
     """``await make_client(settings, **engine_args)`` -> (aiohttp test client, InProcessEngine):
     the HTTP app around a real EngineCore with the fake model and the tiny tokenizer."""
-    from pagectl.admin.app import ServerSettings, create_app
-    from pagectl.admin.testing import InProcessEngine, fake_engine
     from pagectl.engine.args import EngineArgs
+    from pagectl.server.app import create_app
+    from pagectl.server.state import ServerSettings
+    from pagectl.testing.fake_engine import fake_engine
+    from pagectl.testing.in_process import InProcessEngine
 
     async def make(settings: ServerSettings | None = None, **engine_kw):
         kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, "max_model_len": 256}

@@ -12,23 +12,23 @@ import msgspec
 import pytest
 import zmq
 
-from pagectl.admin import wire
-from pagectl.admin.client import AdminClient, AdminError, TelemetrySubscriber
-from pagectl.admin.control import handle_control
-from pagectl.admin.engine_loop import EngineLoop
-from pagectl.admin.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
-from pagectl.admin.runtime import (
+from pagectl.control.client import AdminClient, AdminError, TelemetrySubscriber
+from pagectl.control.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
+from pagectl.control.runtime import (
     DaemonDir,
     RuntimeNotFound,
     find_runtime,
     loopback_only,
     read_token,
 )
-from pagectl.admin.testing import fake_engine
 from pagectl.engine.args import EngineArgs
 from pagectl.engine.commands import GetStatus, SetConfig, SetPrefixCaching
 from pagectl.engine.outputs import EngineRequest
 from pagectl.engine.telemetry import decode_snapshot
+from pagectl.engine_process import wire
+from pagectl.engine_process.control_handler import handle_control
+from pagectl.engine_process.loop import EngineLoop
+from pagectl.testing.fake_engine import fake_engine
 
 TOKEN = "s3cret-token"
 
@@ -126,6 +126,9 @@ def test_control_request_struct_matches_the_documented_map():
         "client": "c",
         "command": {"cmd": "prefix_cache", "enabled": False},
         "version": 1,
+        # The sender's own uid and pid, for the audit log (peer credentials win on ipc).
+        "uid": os.getuid(),
+        "pid": os.getpid(),
     }
 
 
@@ -328,7 +331,10 @@ def test_control_and_telemetry_through_the_client_classes():
                 if snap.config["max_num_batched_tokens"] == 16:
                     break
             assert snap.config["max_num_batched_tokens"] == 16
-            assert any(e.kind == "config" and e.data["client"] == "tester" for e in snap.events)
+            # Who: the client's name, then the uid and pid (inproc has no peer credentials:
+            # what the client reported).
+            who = f"tester (uid {os.getuid()}, pid {os.getpid()}, reported)"
+            assert any(e.kind == "config" and e.data["client"] == who for e in snap.events)
             with pytest.raises(AdminError) as ei:
                 admin.command(SetConfig("max_num_seqs", 10_000))
             assert ei.value.kind == "invalid_value"

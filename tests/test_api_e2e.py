@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from pagectl.admin.testing import DaemonProcess
+from pagectl.testing.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from pagectl.admin.app import ServerSettings
-from pagectl.admin.testing import InProcessEngine
+from pagectl.server.state import ServerSettings
+from pagectl.testing.in_process import InProcessEngine
 
 
 async def sse_events(resp) -> list:

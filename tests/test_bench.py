@@ -114,11 +114,7 @@ class _FakeLLM:
         self.calls = []
         self.short_by = short_by
         self.core = SimpleNamespace(
-            scheduler=SimpleNamespace(
-                counters=SimpleNamespace(
-                    steps=0, prompt_tokens=0, generation_tokens=0, preemptions=0
-                )
-            ),
+            counters=SimpleNamespace(steps=0, prompt_tokens=0, generation_tokens=0, preemptions=0),
             executor=SimpleNamespace(execute_model=lambda so: None),
         )
 
@@ -126,7 +122,7 @@ class _FakeLLM:
         prompts = prompts if isinstance(prompts, list) else [prompts]
         params = params if isinstance(params, list) else [params] * len(prompts)
         self.calls.append((prompts, params))
-        c = self.core.scheduler.counters
+        c = self.core.counters
         c.steps += 3
         c.prompt_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
         # One "step" feeding every prompt and every decode input (prompt + output - 1 each).
@@ -610,7 +606,10 @@ def test_bench_throughput_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_end_to_end_against_a_fake_engine_daemon(tmp_path):
     argv = ["bench", "serve", *_TINY, "--concurrency", "3", "--peers", "none"]
-    argv += ["--daemon-arg=--engine-factory", "--daemon-arg=pagectl.admin.testing:fake_engine"]
+    argv += [
+        "--daemon-arg=--engine-factory",
+        "--daemon-arg=pagectl.testing.fake_engine:fake_engine",
+    ]
     rep = _pagectl(argv, tmp_path)
     m = rep["results"]["pagectl"]
     assert m["completed"] == 6 and m["failed"] == 0

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from pagectl.admin.testing import DaemonProcess
+from pagectl.testing.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 from test_tui_scenarios import huge_snapshot
 
-from pagectl.admin.protocol import ControlReply, ErrorInfo, decode_request, encode
+from pagectl.control.protocol import ControlReply, ErrorInfo, decode_request, encode
 from pagectl.engine.commands import CommandError, InspectBlock, SetConfig
 from pagectl.engine.telemetry import decode_snapshot, encode_snapshot
 from pagectl.tui.zmq_source import Endpoints, ZmqSource

@@ -66,7 +66,7 @@ def _limits(args: argparse.Namespace, spec: WorkloadSpec) -> dict:
 
 
 def _server_fn(base_url: str, payloads_for: Any, concurrency: int, timeout_s: float) -> Any:
-    from pagectl.bench.serve import drive
+    from pagectl.bench.serve_drive import drive
 
     def run(wl: list[BenchRequest]) -> tuple[float, dict]:
         m = drive(base_url, payloads_for(wl), concurrency, {}, timeout_s)
@@ -84,8 +84,8 @@ def _server_fn(base_url: str, payloads_for: Any, concurrency: int, timeout_s: fl
 
 
 def run_throughput_rounds(args: argparse.Namespace, model: str, spec: WorkloadSpec) -> dict:
-    from pagectl.bench.throughput import run_pagectl
-    from pagectl.cli.generate import engine_kwargs
+    from pagectl.bench.offline import run_pagectl
+    from pagectl.engine.args import EngineArgs
     from pagectl.engine.llm import LLM
 
     peers = external.parse_peer_specs(args.peer)
@@ -96,9 +96,7 @@ def run_throughput_rounds(args: argparse.Namespace, model: str, spec: WorkloadSp
     engines: dict[str, Any] = {}
     settings: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        kw = engine_kwargs(args)
-        kw["model"] = model
-        llm = stack.enter_context(LLM(**kw))
+        llm = stack.enter_context(LLM.from_engine_args(EngineArgs.from_cli(args, model=model)))
         engines["pagectl"] = lambda wl: (run_pagectl(llm, wl, 0.0).tokens_per_s, {})
         settings["pagectl"] = f"LLM.generate, dtype {args.dtype}, quantization {args.quantization}"
         for peer in peers:
@@ -152,7 +150,7 @@ def run_serve_rounds(
     args: argparse.Namespace, model: str, spec: WorkloadSpec, daemon_flags: list[str]
 ) -> dict:
     from pagectl.bench import servers
-    from pagectl.bench.serve import pagectl_payloads, served_model_name
+    from pagectl.bench.serve_drive import pagectl_payloads, served_model_name
 
     peers = external.parse_peer_specs(args.peer)
     vdtype, gguf_precision = _precision(args)

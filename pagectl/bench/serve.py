@@ -15,11 +15,9 @@ request's ``generation_config``, and its output tokens are counted from its usag
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import urllib.request
 from dataclasses import asdict
 from typing import Any
 
@@ -33,7 +31,7 @@ from pagectl.bench.options import (
     workload_spec,
 )
 from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
-from pagectl.bench.stats import serving_metrics
+from pagectl.bench.serve_drive import drive, pagectl_payloads, served_model_name
 from pagectl.bench.throughput import parse_peers
 from pagectl.bench.workload import BenchRequest, random_workload
 
@@ -43,7 +41,7 @@ TARGET_OUTPUT_RATIO = 3.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
     p.add_argument("--url", default=None, help="base URL of a running daemon (default: start one)")
     p.add_argument(
@@ -80,17 +78,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagectl.bench.peer_rounds import add_peer_arguments
 
     add_peer_arguments(p, slots=False)
-    add_engine_arguments(p)
+    add_cli_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """Daemon flags for the engine options that differ from their defaults."""
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
     ref = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(ref)
+    add_cli_arguments(ref)
     flags: list[str] = []
     # Each flag is spelled as the parser declares it (argparse lists its actions only here).
     for action in ref._actions:
@@ -104,23 +102,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         else:
             flags += [action.option_strings[0], str(value)]
     return flags
-
-
-def pagectl_payloads(
-    model_name: str, workload: list[BenchRequest], temperature: float
-) -> list[dict]:
-    return [
-        {
-            "model": model_name,
-            "prompt": r.prompt_token_ids,
-            "max_tokens": r.output_len,
-            "temperature": temperature,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for r in workload
-    ]
 
 
 def transformers_payloads(
@@ -139,40 +120,6 @@ def transformers_payloads(
         }
         for text, r in zip(prompts, workload, strict=True)
     ]
-
-
-def served_model_name(base_url: str, headers: dict, fallback: str) -> str:
-    req = urllib.request.Request(base_url + "/v1/models", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            data = json.loads(r.read())
-        return data["data"][0]["id"]
-    except (OSError, ValueError, KeyError, IndexError):
-        return fallback
-
-
-def drive(
-    base_url: str, payloads: list[dict], concurrency: int, headers: dict, timeout_s: float
-) -> dict:
-    """Warm up with one short request, then run every payload; returns the metrics.
-
-    A server whose warm-up request fails is reported as skipped, with the error.
-    """
-    from pagectl.bench.client import run_clients
-
-    url = base_url + "/v1/completions"
-    warm = dict(payloads[0], max_tokens=2)
-    done, _ = asyncio.run(run_clients(url, [warm], 1, headers=headers, request_timeout_s=timeout_s))
-    if not done or not done[0].ok:
-        return {"skipped": f"warm-up request failed: {done[0].error if done else 'no answer'}"}
-    timings, duration = asyncio.run(
-        run_clients(url, payloads, concurrency, headers=headers, request_timeout_s=timeout_s)
-    )
-    metrics = serving_metrics(timings, duration)
-    errors = [t.error for t in timings if t.error]
-    if errors:
-        metrics["first_error"] = errors[0]
-    return metrics
 
 
 def run(args: argparse.Namespace) -> int:

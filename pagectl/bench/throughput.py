@@ -9,14 +9,13 @@ ratios against the targets; ``--json`` adds one JSON object as the last line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from pagectl.bench.offline import run_pagectl
 from pagectl.bench.options import (
     add_model_arguments,
     add_workload_arguments,
@@ -27,7 +26,7 @@ from pagectl.bench.options import (
     workload_spec,
 )
 from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
-from pagectl.bench.results import EngineResult, count_useful
+from pagectl.bench.results import EngineResult
 from pagectl.bench.workload import (
     BenchRequest,
     WorkloadSpec,
@@ -41,9 +40,9 @@ TARGETS = {"hf-cb": 5.0, "hf-static": 4.0, "forward": 0.6}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
-    add_engine_arguments(p)
+    add_cli_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
     g = p.add_argument_group("peers")
@@ -91,69 +90,6 @@ def parse_peers(value: str, known: Sequence[str] = PEERS) -> list[str]:
     if bad:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(known)}")
     return peers
-
-
-def run_pagectl(
-    llm: Any, workload: list[BenchRequest], temperature: float = 0.0, profile: bool = False
-) -> EngineResult:
-    """Time ``llm.generate`` on the whole workload, one ``SamplingParams`` per request.
-
-    With ``profile``, the run is also split into engine-step phases and profiled with
-    cProfile (``extra["profile"]``); both add a little overhead to the figure.
-    """
-    from pagectl.engine.sampling_params import SamplingParams
-
-    res = EngineResult("pagectl", "pagectl (LLM.generate)", len(workload))
-    params = [
-        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, seed=i)
-        for i, r in enumerate(workload)
-    ]
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-    # Warm-up, not timed: first-call costs (allocations, kernels) out of the figure.
-    llm.generate(
-        {"prompt_token_ids": [1, 2, 3, 4]},
-        SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
-    )
-    counters = _engine_counters(llm)
-    from pagectl.bench.profile import ModelTokenCounter, PhaseTimer, top_functions
-
-    with contextlib.ExitStack() as stack:
-        fed = stack.enter_context(ModelTokenCounter(llm))
-        if profile:
-            import cProfile
-
-            phases = stack.enter_context(PhaseTimer(llm))
-            prof = stack.enter_context(cProfile.Profile())
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        res.elapsed_s = time.perf_counter() - t0
-    res.model_tokens = fed.tokens
-    after = _engine_counters(llm)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    res.useful_output_tokens, res.num_length_mismatches = count_useful(
-        tokens, [r.output_len for r in workload]
-    )
-    res.extra = {k: after[k] - counters.get(k, 0) for k in after}
-    if profile:
-        res.extra["profile"] = {
-            "phases_s": phases.breakdown(res.elapsed_s),
-            "top_functions": top_functions(prof, 25),
-        }
-    return res
-
-
-def _engine_counters(llm: Any) -> dict[str, int]:
-    """Scheduler counters (steps, prompt tokens computed, preemptions), when reachable."""
-    try:
-        c = llm.core.scheduler.counters
-    except AttributeError:
-        return {}
-    return {
-        "steps": c.steps,
-        "prompt_tokens_computed": c.prompt_tokens,
-        "generation_tokens": c.generation_tokens,
-        "preemptions": c.preemptions,
-    }
 
 
 def build_report(
@@ -337,15 +273,14 @@ def format_header(spec: WorkloadSpec, model: str, threads: int) -> str:
 def _run_pagectl_engine(
     args: argparse.Namespace, model: str, workload: list[BenchRequest]
 ) -> EngineResult:
-    from pagectl.cli.generate import engine_kwargs
+    from pagectl.engine.args import EngineArgs
 
-    kw = engine_kwargs(args)
-    kw["model"] = model
+    engine_args = EngineArgs.from_cli(args, model=model)
     try:
         from pagectl.engine.llm import LLM
 
         log("pagectl: building the engine ...")
-        with LLM(**kw) as llm:
+        with LLM.from_engine_args(engine_args) as llm:
             log("pagectl: running ...")
             res = run_pagectl(llm, workload, args.temperature, profile=args.profile)
     except (ImportError, ModuleNotFoundError) as e:

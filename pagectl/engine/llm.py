@@ -16,13 +16,14 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagectl.engine.args import EngineArgs
+from pagectl.engine.output_processor import OutputProcessor
 from pagectl.engine.outputs import TokenLogprobs
 from pagectl.engine.sampling_params import SamplingParams
-from pagectl.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
+from pagectl.engine.tokenizer import apply_chat_template
 
 PromptType = str | dict | list[int]
 
@@ -64,55 +65,24 @@ class RequestOutput:
     finished: bool = True
 
 
-@dataclass
-class _Seq:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    detok: IncrementalDetokenizer | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-
-
 class LLM:
     """An engine in this process, for batch generation without a server."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: str | int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``LLM(model, **EngineArgs fields)``; every option and its default is in
+        ``EngineArgs`` (pagectl/engine/args.py)."""
+        self._start(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         from pagectl.engine.builder import build_engine
 
-        self.args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            **kwargs,
-        )
+        self.args = args
         self.engine = build_engine(self.args)
         self.core = self.engine.core
         self.tokenizer = self.engine.tokenizer
@@ -230,9 +200,7 @@ class LLM:
             raise RuntimeError("this LLM has been shut down")
         core = self.core
         rids = [f"llm-{next(self._ids)}" for _ in encoded]
-        seqs: dict[tuple[str, int], _Seq] = {}
-        prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
-        cached: dict[str, int] = {}
+        proc = OutputProcessor(self.tokenizer)
         added: list[str] = []
         try:
             for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
@@ -244,68 +212,43 @@ class LLM:
                     cache_salt=cache_salt,
                 )
                 added.append(rids[i])
-                if sp.prompt_logprobs is not None:
-                    prompt_lps[rids[i]] = [None]
-                for j in range(sp.n):
-                    seqs[(rids[i], j)] = _Seq(
-                        logprobs=[] if sp.logprobs is not None else None,
-                        detok=IncrementalDetokenizer(self.tokenizer, ids, sp)
-                        if self.tokenizer
-                        else None,
-                    )
+                proc.add_request(rids[i], ids, sp)
             while core.has_unfinished():
                 for o in core.step():
-                    s = seqs.get((o.request_id, o.index))
-                    if s is None:
-                        continue
-                    cached[o.request_id] = o.num_cached_tokens
-                    if o.prompt_logprobs and o.request_id in prompt_lps:
-                        prompt_lps[o.request_id].extend(o.prompt_logprobs)
-                    if s.finish_reason is not None:
-                        continue  # finished by a stop string; late tokens are dropped
-                    s.tokens.extend(o.new_token_ids)
-                    if s.logprobs is not None and o.new_logprobs:
-                        s.logprobs.extend(o.new_logprobs)
-                    if s.detok is not None and o.new_token_ids:
-                        s.detok.push(o.new_token_ids)
-                        if s.detok.stop_hit is not None:
-                            s.finish_reason = "stop"
-                            s.stop_reason = s.detok.stop_hit
-                            core.scheduler.finish_by_stop_string(
-                                o.request_id, o.index, s.detok.stop_hit
-                            )
-                            continue
-                    if o.finish_reason:
-                        s.finish_reason = o.finish_reason
-                        s.stop_reason = o.stop_reason
-                        s.error = o.error
+                    upd = proc.process(o)
+                    if upd is not None and upd.stop_in_engine is not None:
+                        core.finish_by_stop_string(o.request_id, o.index, upd.stop_in_engine)
         except BaseException:
             for rid in added:
                 core.abort_request(rid)
-            core.scheduler.take_pending_outputs()
+            core.take_pending_outputs()
             raise
         results = []
         for rid, (prompt, ids), sp in zip(rids, encoded, params):
-            outs = []
-            for j in range(sp.n):
-                s = seqs[(rid, j)]
-                text = ""
-                if s.detok is not None:
-                    s.detok.flush()  # a last token cut inside a character still counts
-                    text = s.detok.text
-                outs.append(
-                    CompletionOutput(
-                        j, text, s.tokens, s.finish_reason, s.stop_reason, s.logprobs, s.error
-                    )
+            req = proc.requests[rid]
+            outs = [
+                CompletionOutput(
+                    s.index,
+                    s.text,
+                    s.token_ids,
+                    s.finish_reason,
+                    s.stop_reason,
+                    s.logprobs if sp.logprobs is not None else None,
+                    s.error,
                 )
+                for s in req.samples
+            ]
+            prompt_lps: list[TokenLogprobs | None] | None = None
+            if sp.prompt_logprobs is not None:
+                prompt_lps = [None, *req.prompt_logprobs]
             results.append(
                 RequestOutput(
                     rid,
                     prompt,
                     ids,
                     outs,
-                    num_cached_tokens=cached.get(rid, 0),
-                    prompt_logprobs=prompt_lps.get(rid),
+                    num_cached_tokens=req.num_cached_tokens,
+                    prompt_logprobs=prompt_lps,
                 )
             )
         return results

@@ -1,9 +1,8 @@
-"""The live ``AdminSource``: a daemon's admin channel over ZMQ (see ``pagectl.admin.protocol``).
+"""The live ``AdminSource``: a daemon's admin channel over ZMQ (see ``pagectl.control.protocol``).
 
 Telemetry: a SUB socket with ZMQ_CONFLATE, so only the newest snapshot is ever queued and a
-slow console drops frames instead of falling behind. Control: a DEALER socket sending
-``ControlRequest`` frames with the token from the daemon's token file; replies are matched
-by id, with a timeout.
+slow console drops frames instead of falling behind. Control: the admin channel's client
+(``pagectl.control.client.AsyncAdminClient``) with the token from the daemon's token file.
 
 Reconnection: when no telemetry arrives for ``reconnect_after`` seconds, the sockets are
 rebuilt, re-reading the runtime file (a restarted daemon may have new endpoints) and the
@@ -24,9 +23,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from pagectl.admin.client import default_client_name
-from pagectl.admin.protocol import ControlRequest, decode_reply, encode
-from pagectl.engine.commands import Command, CommandError
+from pagectl.control.client import AdminError, AsyncAdminClient, default_client_name
+from pagectl.control.runtime import read_token_file
+from pagectl.engine.commands import Command
 from pagectl.tui.source import Frame
 
 
@@ -39,6 +38,8 @@ class Endpoints:
     control: str | None
     # The 0600 file holding the control token; None: read-only.
     token_file: str | None
+    # The daemon's HTTP address, shown in the header ("" when attached by endpoints alone).
+    http_url: str = ""
 
 
 # Returns the endpoints of the daemon to attach to, or raises with a message for the header.
@@ -46,10 +47,10 @@ Resolver = Callable[[], Endpoints]
 
 
 def runtime_resolver(runtime_dir: str | None) -> Resolver:
-    """Find the daemon through its runtime file (``pagectl.admin.client.find_runtime``)."""
+    """Find the daemon through its runtime file (``pagectl.control.client.find_runtime``)."""
 
     def resolve() -> Endpoints:
-        from pagectl.admin.client import find_runtime
+        from pagectl.control.client import find_runtime
 
         info = find_runtime(runtime_dir)
         return Endpoints(info.telemetry_endpoint, info.control_endpoint, info.token_file)
@@ -80,12 +81,12 @@ class ZmqSource:
         self.detail = ""
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._admin: AsyncAdminClient | None = None
         self._endpoints: Endpoints | None = None
         self._token: str | None = None
         self._read_only_reason = "not connected"
         self._last_activity = 0.0
-        self._next_id = 0
+        # Held by a command in flight and by a reconnect, so neither disturbs the other.
         self._lock = asyncio.Lock()
         self.num_reconnects = 0
 
@@ -115,7 +116,7 @@ class ZmqSource:
             self._read_only_reason = "not connected"
             return
         self._endpoints = ep
-        self.label = ep.telemetry
+        self.label = ep.http_url or ep.telemetry
         self.detail = ""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.CONFLATE, 1)
@@ -126,14 +127,19 @@ class ZmqSource:
         if ep.control is None:
             self._token, self._read_only_reason = None, "no control endpoint"
         else:
-            self._token, self._read_only_reason = _read_token(ep.token_file)
+            self._token, self._read_only_reason = read_token_file(ep.token_file)
+            if self._token is not None:
+                self._admin = AsyncAdminClient(
+                    ep.control, self._token, client_name=self.client_name, context=self._ctx
+                )
 
     def _close_sockets(self) -> None:
-        for s in (self._sub, self._dealer):
-            if s is not None:
-                s.close(linger=0)
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        if self._admin is not None:
+            self._admin.close()
         self._sub = None
-        self._dealer = None
+        self._admin = None
 
     async def next_frame(self, timeout: float) -> Frame | None:
         sub = self._sub
@@ -145,63 +151,19 @@ class ZmqSource:
             await asyncio.sleep(timeout)
         if time.monotonic() - self._last_activity >= self.reconnect_after:
             self.num_reconnects += 1
-            async with self._lock:  # never rebuild the DEALER under a command in flight
+            async with self._lock:  # never rebuild the client under a command in flight
                 self._connect()
         return None
 
     async def send(self, command: Command) -> dict:
-        if self._token is None or self._endpoints is None or self._endpoints.control is None:
-            raise CommandError("unauthorized", f"read-only: {self.read_only_reason}")
         async with self._lock:
-            assert self._ctx is not None
-            if self._dealer is None:
-                dealer = self._ctx.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.LINGER, 0)
-                dealer.connect(self._endpoints.control)
-                self._dealer = dealer
-            dealer = self._dealer
-            self._next_id += 1
-            req = ControlRequest(
-                id=self._next_id, token=self._token, client=self.client_name, command=command
-            )
-            deadline = time.monotonic() + self.command_timeout
-            try:
-                await asyncio.wait_for(dealer.send(encode(req)), self.command_timeout)
-                while (remaining := deadline - time.monotonic()) > 0:
-                    if not await dealer.poll(int(remaining * 1000)):
-                        break
-                    reply = decode_reply(await dealer.recv())
-                    if reply.id != req.id:
-                        continue  # a late answer to a command that already timed out
-                    if reply.ok:
-                        return reply.result or {}
-                    err = reply.error
-                    raise CommandError(err.kind if err else "error", err.message if err else "")
-            except asyncio.TimeoutError:
-                pass
-            # No answer: drop the socket so that a queued request is not delivered later.
-            dealer.close(linger=0)
-            self._dealer = None
-            raise CommandError(
-                "timeout", f"no answer from the daemon within {self.command_timeout:g} s"
-            )
+            admin = self._admin  # read under the lock: a reconnect may have replaced it
+            if self._token is None or admin is None:
+                raise AdminError("unauthorized", f"read-only: {self.read_only_reason}")
+            return await admin.command(command, self.command_timeout)
 
     async def close(self) -> None:
         self._close_sockets()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-
-
-def _read_token(path: str | None) -> tuple[str | None, str]:
-    """(token, reason for read-only mode)."""
-    if not path:
-        return None, "no control token file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        return None, f"cannot read the control token ({e.strerror}: {path})"
-    if not token:
-        return None, f"the control token file {path} is empty"
-    return token, ""

@@ -1,1 +1,0 @@
-"""The daemon: OpenAI-compatible HTTP server, engine-core process, admin channel."""

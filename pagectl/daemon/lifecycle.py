@@ -1,0 +1,220 @@
+"""``pagectl daemon``: run the API server, the engine process and the admin channel.
+
+Life cycle:
+1. Remove the directories of dead daemons from the runtime dir, create this daemon's 0700
+   directory there and the 0600 control token (an unsafe runtime dir is refused, never
+   chmodded: ``control.runtime.runtime_base``).
+2. Start the app: its cleanup_ctx spawns the engine process and waits for the handshake.
+3. Listen on HTTP, then write the runtime file (so finders only see a daemon that serves).
+4. Until SIGTERM/SIGINT: serve. If the engine dies, in-flight requests get an error,
+   /health answers 503 for a short grace period, and the daemon exits 1.
+5. On SIGTERM/SIGINT: drain. New requests get 503; in-flight ones run to completion for at
+   most ``drain_timeout`` seconds, then are aborted; the engine is shut down and the daemon
+   exits 0. A second signal skips the rest of the drain: every in-flight request ends with
+   a 503 ``shutting_down`` error (a stream: an error event, then ``[DONE]``).
+Every exit path removes the runtime directory and leaves no child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.runtime import DaemonDir, loopback_only
+from pagectl.engine.args import EngineArgs
+from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
+from pagectl.engine_process.main import EngineProcConfig
+from pagectl.server.app import create_app
+from pagectl.server.connections import GuardedAppRunner
+from pagectl.server.state import STATE, ServerSettings
+
+log = logging.getLogger("pagectl.daemon")
+
+# Seconds /health keeps answering 503 after the engine died, before the daemon exits.
+DEAD_GRACE_S = 1.5
+# Seconds handlers get to answer after an aborted drain, before connections are closed.
+ABORT_GRACE_S = 3.0
+
+
+@dataclass
+class DaemonOptions:
+    engine_args: EngineArgs
+    server: ServerSettings
+    host: str = "127.0.0.1"
+    port: int = 8000
+    runtime_dir: str | None = None
+    # Admin endpoints (default: ipc:// sockets in the daemon's directory).
+    telemetry_endpoint: str | None = None
+    control_endpoint: str | None = None
+    # "module:function" replacing the engine builder (tests).
+    engine_factory: str | None = None
+    drain_timeout: float = 30.0
+    telemetry_hz: float = 10.0
+
+
+def _say(msg: str) -> None:
+    print(f"pagectl daemon: {msg}", file=sys.stderr, flush=True)
+
+
+class _Lifecycle:
+    """Signals and engine death -> one stop event and the exit status."""
+
+    def __init__(self, state, engine: EngineClient, drain_timeout: float) -> None:
+        self.state = state
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+        self._stop_task: asyncio.Task | None = None
+
+    def on_signal(self, signame: str) -> None:
+        if self._drain_task is None:
+            _say(f"{signame} received: draining (a second signal stops at once)")
+            self._drain_task = asyncio.create_task(self._drain())
+        elif self._stop_task is None:
+            _say(f"{signame} received again: stopping now (in-flight requests get an error)")
+            self._stop_task = asyncio.create_task(self._stop_now())
+
+    async def _stop_now(self) -> None:
+        """End every in-flight request with an error (streams get an error event and
+        [DONE]), give their handlers a moment to send it, then stop."""
+        self.engine.abort_all()
+        self.engine.fail_all(ServerStoppingError("the server is stopping"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.state.idle.wait(), ABORT_GRACE_S)
+        self.stop.set()
+
+    def on_engine_dead(self, reason: str) -> None:
+        _say(f"engine died: {reason}; exiting")
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(DEAD_GRACE_S, self.stop.set)
+
+    async def _drain(self) -> None:
+        state = self.state
+        state.draining = True
+        self.engine.set_draining(True)
+        try:
+            await asyncio.wait_for(state.idle.wait(), self.drain_timeout)
+        except asyncio.TimeoutError:
+            _say(f"drain timeout ({self.drain_timeout:g}s): aborting {state.num_active} requests")
+            self.engine.abort_all()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)
+        self.stop.set()
+
+
+async def serve(opts: DaemonOptions) -> int:
+    """Run the daemon until it is stopped; returns the exit status."""
+    try:
+        ddir = DaemonDir(opts.runtime_dir)
+    except OSError as e:  # a runtime dir we refuse to use (see control.runtime.runtime_base)
+        _say(str(e))
+        return 2
+    try:
+        tel = opts.telemetry_endpoint or ddir.endpoint("telemetry")
+        ctl = opts.control_endpoint or ddir.endpoint("control")
+        loopback_only(tel)
+        loopback_only(ctl)
+        ddir.create_token()
+        engine = EngineClient(
+            EngineProcConfig(
+                engine_args=opts.engine_args,
+                engine_factory=opts.engine_factory,
+                input_endpoint="",
+                output_endpoint="",
+                telemetry_endpoint=tel,
+                control_endpoint=ctl,
+                token_file=str(ddir.token_file),
+                audit_file=str(ddir.audit_file),
+                telemetry_hz=opts.telemetry_hz,
+            ),
+            input_endpoint=ddir.endpoint("engine-in"),
+            output_endpoint=ddir.endpoint("engine-out"),
+        )
+        app = create_app(opts.server, engine)
+        runner = GuardedAppRunner(
+            app,
+            opts.server.connection_limits,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=ABORT_GRACE_S,
+        )
+        # A signal during start-up (the engine may take minutes to load) stops cleanly.
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, main.cancel)
+        try:
+            await runner.setup()
+        except EngineStartError as e:
+            _say(f"the engine failed to start: {e}")
+            await engine.shutdown(5.0)
+            return 1
+        except asyncio.CancelledError:
+            _say("stopped during start-up")
+            await engine.shutdown(5.0)
+            return 0
+        try:
+            return await _run(opts, ddir, app, runner, engine)
+        finally:
+            await runner.cleanup()
+    finally:
+        ddir.remove()
+
+
+async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: EngineClient) -> int:
+    state = app[STATE]
+    life = _Lifecycle(state, engine, opts.drain_timeout)
+    engine.on_dead.append(life.on_engine_dead)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, life.on_signal, sig.name)
+    site = web.TCPSite(runner, opts.host, opts.port, shutdown_timeout=ABORT_GRACE_S)
+    try:
+        await site.start()
+    except OSError as e:
+        _say(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
+        return 1
+    port = runner.addresses[0][1] if runner.addresses else opts.port
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    url = f"http://{host}:{port}"
+    ready = state.engine_ready
+    ddir.write_runtime(
+        RuntimeInfo(
+            pid=os.getpid(),
+            start_time=time.time(),
+            model=state.model.served_model_name,
+            http_url=url,
+            telemetry_endpoint=ready.telemetry_endpoint,
+            control_endpoint=ready.control_endpoint,
+            token_file=str(ddir.token_file),
+            tp_size=ready.model_info.tp_size,
+            audit_file=str(ddir.audit_file),
+            tokenizer_path=ready.tokenizer_path or "",
+        )
+    )
+    _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
+    if engine.dead is not None:  # died between handshake and now
+        life.on_engine_dead(engine.dead)
+    await life.stop.wait()
+    with contextlib.suppress(OSError):
+        ddir.runtime_file.unlink()  # finders stop seeing us before the slow part of exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    return life.exit_code
+
+
+def run(opts: DaemonOptions) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(opts))
