@@ -35,7 +35,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--synthetic-model",
         default=None,
-        help=f"build (once, into a cache dir) and use a random-weight model: qwen3-33m or qwen3-tiny "
+        help="build (once, into a cache dir) and use a random-weight model: qwen3-33m, qwen3-0.6b "
+        f"(the Qwen3-0.6B shape) or qwen3-tiny "
         f"(default when --model is not given: {DEFAULT_SYNTHETIC})",
     )
     g.add_argument("--synthetic-cache-dir", default=None, help="where synthetic models are built")

@@ -15,11 +15,9 @@ request's ``generation_config``, and its output tokens are counted from its usag
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import urllib.request
 from dataclasses import asdict
 from typing import Any
 
@@ -33,7 +31,7 @@ from pagectl.bench.options import (
     workload_spec,
 )
 from pagectl.bench.report import dumps, fmt_ratio, format_table, machine_info, ratio
-from pagectl.bench.stats import serving_metrics
+from pagectl.bench.serve_drive import drive, pagectl_payloads, served_model_name
 from pagectl.bench.throughput import parse_peers
 from pagectl.bench.workload import BenchRequest, random_workload
 
@@ -77,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory prepended to PYTHONPATH for transformers serve only (its serving extras)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    from pagectl.bench.peer_rounds import add_peer_arguments
+
+    add_peer_arguments(p, slots=False)
     add_cli_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
@@ -103,23 +104,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def pagectl_payloads(
-    model_name: str, workload: list[BenchRequest], temperature: float
-) -> list[dict]:
-    return [
-        {
-            "model": model_name,
-            "prompt": r.prompt_token_ids,
-            "max_tokens": r.output_len,
-            "temperature": temperature,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for r in workload
-    ]
-
-
 def transformers_payloads(
     model: str, prompts: list[str], workload: list[BenchRequest], temperature: float
 ) -> list[dict]:
@@ -136,40 +120,6 @@ def transformers_payloads(
         }
         for text, r in zip(prompts, workload, strict=True)
     ]
-
-
-def served_model_name(base_url: str, headers: dict, fallback: str) -> str:
-    req = urllib.request.Request(base_url + "/v1/models", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            data = json.loads(r.read())
-        return data["data"][0]["id"]
-    except (OSError, ValueError, KeyError, IndexError):
-        return fallback
-
-
-def drive(
-    base_url: str, payloads: list[dict], concurrency: int, headers: dict, timeout_s: float
-) -> dict:
-    """Warm up with one short request, then run every payload; returns the metrics.
-
-    A server whose warm-up request fails is reported as skipped, with the error.
-    """
-    from pagectl.bench.client import run_clients
-
-    url = base_url + "/v1/completions"
-    warm = dict(payloads[0], max_tokens=2)
-    done, _ = asyncio.run(run_clients(url, [warm], 1, headers=headers, request_timeout_s=timeout_s))
-    if not done or not done[0].ok:
-        return {"skipped": f"warm-up request failed: {done[0].error if done else 'no answer'}"}
-    timings, duration = asyncio.run(
-        run_clients(url, payloads, concurrency, headers=headers, request_timeout_s=timeout_s)
-    )
-    metrics = serving_metrics(timings, duration)
-    errors = [t.error for t in timings if t.error]
-    if errors:
-        metrics["first_error"] = errors[0]
-    return metrics
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagectl bench serve: {e}", file=sys.stderr)
         return 2
     workload = random_workload(spec)
+    if args.peer:
+        if args.url:
+            print("pagectl bench serve: --peer starts its own daemon (no --url)", file=sys.stderr)
+            return 2
+        return _run_peer_rounds(args, model, spec)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: dict[str, Any] = {}
     started = None
@@ -233,6 +188,21 @@ def run(args: argparse.Namespace) -> int:
     print(render(report))
     if args.json:
         print(dumps(report))
+    return 0
+
+
+def _run_peer_rounds(args: argparse.Namespace, model: str, spec: Any) -> int:
+    """``--peer``: the daemon and the named peers' servers in alternating rounds."""
+    from pagectl.bench.peer_rounds import run_serve_rounds
+
+    try:
+        out = run_serve_rounds(args, model, spec, engine_flags(args) + list(args.daemon_arg))
+    except (ValueError, RuntimeError) as e:
+        print(f"pagectl bench serve: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        report = {"benchmark": "serve-peers", "model": model, "workload": asdict(spec)}
+        print(dumps({**report, "concurrency": args.concurrency, "machine": machine_info(), **out}))
     return 0
 
 

@@ -34,6 +34,23 @@ SYNTHETIC_MODELS: dict[str, dict] = {
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
     ),
+    # The shape of Qwen3-0.6B (about 596M parameters with its 151,936-token vocabulary, tied
+    # embeddings), random weights: the second standard size.
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     # A very small model of the same architecture, for smoke tests of the harness.
     "qwen3-tiny": dict(
         model_type="qwen3",

@@ -18,6 +18,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight-only quantization made at load time (pagectl/engine/quant).
+QUANTIZATIONS = ("int8", "int4")
 # KV cache element types; "auto" is the model's dtype. fp8 caches are not implemented.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Attention backends (see pagectl/engine/attention/__init__.py: select_backend).
@@ -170,6 +172,15 @@ class EngineArgs:
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
     # "auto": cuda when available, else cpu.
     device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    # Weight-only quantization made at load time from a float checkpoint (CPU): "int8" (per
+    # output channel) or "int4" (groups of 128 input features); None: as the checkpoint
+    # (AWQ/GPTQ load as int4, FP8 with its scales applied, anything else refused by name).
+    quantization: str | None = option(
+        None,
+        "weight-only quantization made at load time (CPU): int8 per output channel, int4 in "
+        "groups of 128 (default: as the checkpoint; AWQ/GPTQ load as int4)",
+        choices=QUANTIZATIONS,
+    )
     # KV cache element type; "auto": the model's dtype. fp8 is refused (not implemented).
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype (auto: the model's)", choices=KV_CACHE_DTYPES, group=CACHE_GROUP
@@ -278,6 +289,10 @@ class EngineArgs:
         )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = " (fp8 KV caches are not supported yet)" if "fp8" in self.kv_cache_dtype else ""
             raise ValueError(

@@ -139,13 +139,13 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
     """
     path = resolve_model(args.model)
     mcfg = ModelConfig.from_dir(path)
-    check_supported(mcfg)
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is not None and spec.method == "draft_model":
         raise ValueError(
             "speculative_config: method 'draft_model' is not supported yet; use 'ngram'"
         )
     device = resolve_device(args.device)
+    check_supported(mcfg, args.quantization, device.type)
     tp_size = args.tensor_parallel_size
     previous_threads = None
     if tp_size == 1:
@@ -291,7 +291,7 @@ def build_rank(
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
-    model = load_model(path, mcfg, dtype, device, tp)
+    model = load_model(path, mcfg, dtype, device, tp, args.quantization)
     sync.barrier("loaded")
 
     max_tokens = args.token_budget(device.type)

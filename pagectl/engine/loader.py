@@ -4,19 +4,19 @@
   ``huggingface_hub.snapshot_download`` (its cache first; a clear error when offline).
 - ``resolve_dtype``: "auto" follows the checkpoint, with half precision falling back to
   float32 on CPU.
-- ``iter_checkpoint``: (name, lazy slice) pairs from single-file or sharded
-  (``model.safetensors.index.json``) safetensors. Slices are read only where a parameter's
-  ``weight_loader`` asks, so a tensor-parallel rank reads just its shard.
-- ``load_model``: config -> registry class -> parameters on the device -> weights.
+- ``checkpoint_files``: single-file or sharded (``model.safetensors.index.json``) safetensors;
+  ``iter_quantized_checkpoint`` yields their tensors as lazy slices, read only where a
+  parameter's ``weight_loader`` asks, so a tensor-parallel rank reads just its shard
+  (quantized projections are converted whole first).
+- ``load_model``: config -> registry class -> parameters on the device -> weights, through
+  ``pagectl/engine/quant`` for quantized checkpoints, then load-time quantization.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,6 +24,8 @@ from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models import get_model_class
 from pagectl.engine.models.decoder import DecoderForCausalLM
 from pagectl.engine.models.parallel import SINGLE, TPGroup
+from pagectl.engine.quant.checkpoint import iter_quantized_checkpoint
+from pagectl.engine.quant.config import QuantConfig, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF = (torch.float16, torch.bfloat16)
@@ -100,19 +102,13 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     )
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """(tensor name, lazy safetensors slice) for every tensor of the checkpoint."""
-    from safetensors import safe_open
-
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_slice(name)
-
-
-def check_supported(cfg: ModelConfig) -> None:
-    """Reject config features the engine does not implement, before any allocation."""
+def check_supported(
+    cfg: ModelConfig, quantization: str | None = None, device_type: str = "cpu"
+) -> QuantConfig:
+    """Reject config features the engine does not implement, before any allocation; returns
+    the quantization the model loads with (``ValueError`` naming an unsupported method)."""
     get_model_class(cfg.architecture)
+    quant = resolve_quantization(quantization, cfg.raw, device_type)
     raw = cfg.raw
     if raw.get("use_sliding_window") and "sliding_attention" in (raw.get("layer_types") or []):
         raise ValueError("sliding-window attention layers are not supported")
@@ -121,6 +117,7 @@ def check_supported(cfg: ModelConfig) -> None:
             f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
+    return quant
 
 
 def load_model(
@@ -129,11 +126,20 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup = SINGLE,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
-    """Build the model for ``model_config`` on ``device`` and load its weights from ``path``."""
-    check_supported(model_config)
+    """Build the model for ``model_config`` on ``device`` and load its weights from ``path``;
+    ``quantization`` ("int8", "int4" or None) as ``EngineArgs.quantization``."""
+    quant = check_supported(model_config, quantization, device.type)
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config, tp, dtype)
-    model.load_weights(iter_checkpoint(path))
+    if quant.checkpoint_int4:
+        model.expect_int4_checkpoint()
+    model.load_weights(iter_quantized_checkpoint(checkpoint_files(path), quant))
+    if quant.method is not None:
+        # Checkpoint int4 keeps the LM head it ships (float); load-time quantization makes
+        # the head int8.
+        model.quantize(quant.method, quant.group_size, lm_head=not quant.checkpoint_int4)
+    model.quant_config = quant
     return model.eval()

@@ -24,13 +24,16 @@ from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagectl.engine.models.layers import RMSNorm, SiluAndMul
 from pagectl.engine.models.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
+    PackableLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from pagectl.engine.models.parallel import SINGLE, TPGroup
 from pagectl.engine.models.rotary import RotaryEmbedding, apply_rotary
 from pagectl.engine.models.weights import default_weight_loader
+from pagectl.engine.quant.config import QuantConfig
 
 # Checkpoint projection -> (our fused parameter, shard id inside it).
 STACKED_PARAMS = (
@@ -205,6 +208,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.dtype = dtype
+        # How the weights are stored (set by the loader).
+        self.quant_config = QuantConfig()
         flags = self.arch_flags(cfg)
         self.model = DecoderModel(cfg, tp, dtype, flags)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -224,6 +229,29 @@ class DecoderForCausalLM(nn.Module):
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = cache
             attn.backend = backend
+
+    def _projections(self) -> list[PackableLinear]:
+        """The decoder layers' linear layers (not the LM head)."""
+        return [
+            m
+            for m in self.model.layers.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+        ]
+
+    def expect_int4_checkpoint(self) -> None:
+        """Before loading an AWQ/GPTQ checkpoint: every projection takes int4 tensors (the
+        embedding and LM head stay float, as such checkpoints store them)."""
+        for layer in self._projections():
+            layer.expect_int4_checkpoint()
+
+    def quantize(self, method: str, group_size: int, *, lm_head: bool) -> None:
+        """After loading: quantize every projection (``method``: "int8" or "int4"), and the
+        LM head to int8 when ``lm_head`` (int8 keeps the head's logits close for either
+        method; over a large vocabulary the head is a large share of the bytes per token)."""
+        for layer in self._projections():
+            layer.quantize(method, group_size)
+        if lm_head:
+            self.lm_head.quantize("int8", group_size)
 
     def pack_for_cpu(self) -> int:
         """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``).

@@ -16,6 +16,12 @@ the loader fills all of them.
 On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a layer's weight into
 oneDNN's blocked layout and frees the plain copy: oneDNN's matmul beats the default BLAS
 path for the skinny and mid-size matmuls of a serving step (figures: docs/MODEL_EXECUTION.md).
+
+Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
+``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
+quantized per rank), and ``expect_int4_checkpoint()`` (called before loading an AWQ or GPTQ
+checkpoint) swaps the float weight for the canonical int4 tensors the checkpoint reader
+yields; they shard with the same loaders, since their features lie along the same dims.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ from torch import nn
 
 from pagectl.engine.models.parallel import SINGLE, TPGroup, divide, kv_heads_per_rank
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
+from pagectl.engine.quant.checkpoint import SCALE_SPAN
+from pagectl.engine.quant.kernels import Int4Weight, Int8Weight, QuantizedWeight, int4_group_for
+
+# The parameters of a projection loaded from an AWQ/GPTQ checkpoint (see checkpoint.py).
+_INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -75,21 +86,83 @@ class PackableLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._packed: torch.Tensor | None = None
+        # Set by quantize(): the weight the matmul uses instead of ``weight``.
+        self._quantized: QuantizedWeight | None = None
+
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        return self._quantized
+
+    def _free_weight(self) -> None:
+        if not self.weight_is_shared:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def expect_int4_checkpoint(self) -> None:
+        """Replace ``weight`` [N, K] by the canonical int4 tensors of a checkpoint
+        (``weight_int4`` [N, K], ``weight_int4_scale`` / ``_zero`` [N, K / 32]), loaded by
+        this layer's weight loader. ``quantize()`` packs them afterwards."""
+        n, k = self.weight.shape
+        if k % SCALE_SPAN:
+            raise ValueError(
+                f"int4 checkpoint: {k} input features per rank is not a multiple of "
+                f"{SCALE_SPAN} (lower the tensor-parallel size)"
+            )
+        loader = self.weight.weight_loader  # type: ignore[attr-defined]
+        del self.weight
+        shapes = {  # in _INT4_PARAMS order
+            "weight_int4": ((n, k), torch.uint8),
+            "weight_int4_scale": ((n, k // SCALE_SPAN), torch.float32),
+            "weight_int4_zero": ((n, k // SCALE_SPAN), torch.float32),
+        }
+        for name, (shape, dtype) in shapes.items():
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            set_weight_loader(param, loader)
+            self.register_parameter(name, param)
+
+    def quantize(self, method: str, group_size: int) -> None:
+        """Quantize this rank's weight: "int8" per output channel, "int4" in groups of
+        ``group_size`` input features (or the largest kernel group dividing them). A layer
+        holding checkpoint int4 tensors is packed from them whatever ``method`` says."""
+        parts = self._parameters
+        if "weight_int4" in parts:
+            q, scale, zero = (parts[n] for n in _INT4_PARAMS)
+            assert q is not None and scale is not None and zero is not None
+            self._quantized = Int4Weight.from_fine_groups(q.data, scale.data, zero.data)
+            for name in _INT4_PARAMS:
+                p = parts[name]
+                assert p is not None
+                p.data = torch.empty(0, dtype=p.dtype)
+            return
+        w = self.weight.data
+        if method == "int8":
+            self._quantized = Int8Weight.quantize(w)
+        elif method == "int4":
+            self._quantized = Int4Weight.quantize(w, int4_group_for(w.shape[1], group_size))
+        else:
+            raise ValueError(f"unknown quantization method {method!r}")
+        self._packed = None
+        self._free_weight()
 
     def pack_for_cpu(self) -> bool:
         """Switch to the packed CPU path; frees the plain weight unless it is shared.
-        Returns whether it did."""
+        Returns whether it did (never for a quantized layer, which has its own kernel)."""
+        if self._quantized is not None:
+            return False
         if self._packed is not None:
             return True
         packed = pack_cpu_weight(self.weight.data)
         if packed is None:
             return False
         self._packed = packed
-        if not self.weight_is_shared:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        self._free_weight()
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._quantized is not None:
+            y = self._quantized.matmul(x.reshape(-1, x.shape[-1]))
+            if bias is not None:
+                y = y + bias
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self._packed is None:
             return F.linear(x, self.weight, bias)
         if x.dim() == 2:

@@ -1,0 +1,143 @@
+"""Weight-only int8 and int4 matmuls on CPU with torch's own kernels.
+
+- int8: per output channel, symmetric: ``w[n, k] = q[n, k] * scale[n]`` with ``q`` in
+  [-127, 127]; ``torch._weight_int8pack_mm``.
+- int4: group-wise, asymmetric (the "tinygemm" form): for input features ``k`` in group
+  ``g = k // G``, ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` with ``q`` in [0, 15];
+  ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu``.
+  The kernel needs ``G`` in (32, 64, 128, 256) and output features divisible by 16.
+
+Both kernels take their activations in ``KERNEL_DTYPE`` (bfloat16): on this project's CPUs
+their float32 variants are 3-10x slower (measured, docs/PERFORMANCE.md), so a float32 model
+casts a layer's input to bfloat16 and the output back. Scales are stored in bfloat16 too
+(the kernels require the activation dtype), so the reference a quantized layer matches is
+its dequantized weight applied to bfloat16-rounded inputs, accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (256, 128, 64, 32)
+# The int4 kernel's packing parameter (inner K tiles); 1 is valid for every group size.
+_INNER_K_TILES = 1
+
+
+class Int8Weight:
+    """An int8 weight ``[N, K]`` with one scale per output row."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.q = q.contiguous()  # int8 [N, K]
+        self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
+        self.out_features = q.shape[0]
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Int8Weight:
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
+        y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scale)
+        return y if x.dtype == KERNEL_DTYPE else y.to(x.dtype)
+
+
+def int4_group_for(k: int, preferred: int) -> int:
+    """The kernel group size for ``k`` input features: ``preferred`` if it divides ``k``, else
+    the largest kernel size that does. ``ValueError`` when none does."""
+    for g in (preferred, *INT4_GROUP_SIZES):
+        if g in INT4_GROUP_SIZES and k % g == 0:
+            return g
+    raise ValueError(f"int4 needs input features divisible by 32, got {k}")
+
+
+class Int4Weight:
+    """A group-wise int4 weight ``[N, K]`` in the CPU kernel's packed layout."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    ) -> None:
+        """``q``: integer ``[N, K]`` in [0, 15]; ``scale`` and ``zero``: ``[N, K / group_size]``
+        (tinygemm form, see the module docstring)."""
+        n, k = q.shape
+        if n % 16:
+            raise ValueError(f"int4 needs output features divisible by 16, got {n}")
+        if group_size not in INT4_GROUP_SIZES or k % group_size:
+            raise ValueError(f"int4 group size {group_size} does not fit {k} input features")
+        if tuple(scale.shape) != (n, k // group_size) or scale.shape != zero.shape:
+            raise ValueError(f"int4 scales {tuple(scale.shape)} do not fit a [{n}, {k}] weight")
+        self.group_size = group_size
+        self.out_features = n
+        self.in_features = k
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), _INNER_K_TILES
+        )
+        # [K / G, N, 2]: (scale, zero) per group and output feature, as the kernel reads them.
+        self.scales_and_zeros = (
+            torch.stack([scale.float(), zero.float()], dim=-1)
+            .transpose(0, 1)
+            .contiguous()
+            .to(KERNEL_DTYPE)
+        )
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group_size: int) -> Int4Weight:
+        """Min/max asymmetric quantization of a float weight, per group of input features."""
+        n, k = w.shape
+        g = group_size
+        if g not in INT4_GROUP_SIZES or k % g:
+            raise ValueError(f"int4 group size {g} does not fit {k} input features")
+        groups = w.float().reshape(n, k // g, g)
+        lo = groups.amin(dim=-1)
+        hi = groups.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+        # (q - 8) * scale + zero == q * scale + lo
+        return cls(q.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale, g)
+
+    @classmethod
+    def from_fine_groups(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> Int4Weight:
+        """From scales given per 32 input features (checkpoint int4, see ``checkpoint.py``):
+        the largest kernel group over which they are constant, so nothing is rounded anew."""
+        n, k = q.shape
+        for g in INT4_GROUP_SIZES:
+            r = g // 32
+            if k % g:
+                continue
+            s = scale.reshape(n, k // g, r)
+            z = zero.reshape(n, k // g, r)
+            if torch.equal(s, s[..., :1].expand_as(s)) and torch.equal(z, z[..., :1].expand_as(z)):
+                return cls(q, s[..., 0], z[..., 0], g)
+        raise AssertionError("unreachable: group 32 always fits scales given per 32 features")
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight ``[N, K]`` the kernel multiplies by (for tests and checks)."""
+        # The float32 kernel on the identity: exact (q - 8) * scale + zero, no output rounding.
+        eye = torch.eye(self.in_features)
+        sz = self.scales_and_zeros.float()
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t()
+
+    def nbytes(self) -> int:
+        sz = self.scales_and_zeros
+        return self.packed.numel() * self.packed.element_size() + sz.numel() * sz.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
+        )
+        return y if x.dtype == KERNEL_DTYPE else y.to(x.dtype)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
