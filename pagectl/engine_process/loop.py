@@ -30,6 +30,7 @@ from pagectl.engine.core import EngineCore
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 from pagectl.engine_process import wire
 from pagectl.engine_process.control_handler import handle_control
+from pagectl.engine_process.kv_events import KVEventPublisher
 
 # At most this many messages of each kind are taken per turn, so a flood of requests or
 # control messages cannot starve the step.
@@ -78,6 +79,8 @@ class EngineLoop:
         token: the control token.
         telemetry_interval: seconds between snapshots (and stats messages).
         stop_event: set by another thread (parent death) to make the loop return.
+        kv_events: the KV-event publisher (``--kv-events-config``), or None. The step's
+            events are handed to it once per turn, after the step and the control commands.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class EngineLoop:
         token: str,
         telemetry_interval: float = 0.1,
         stop_event: threading.Event | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.core = core
         self.input_sock = input_sock
@@ -100,6 +104,9 @@ class EngineLoop:
         self.token = token
         self.telemetry_interval = telemetry_interval
         self.stop_event = stop_event or threading.Event()
+        self.kv_events = kv_events
+        if kv_events is not None:
+            core.enable_kv_events()
         self._next_publish = 0.0
         self._shutdown = False
         self.poller = zmq.Poller()
@@ -117,7 +124,11 @@ class EngineLoop:
         if self.pub_sock is not None:
             with contextlib.suppress(zmq.Again):
                 self.pub_sock.send(encode_snapshot(snap), zmq.NOBLOCK)
-        self._send(engine_stats(snap))
+        stats = engine_stats(snap)
+        if self.kv_events is not None:
+            stats.kv_events_published = self.kv_events.num_published
+            stats.kv_events_dropped = self.kv_events.num_dropped
+        self._send(stats)
         self._next_publish = time.monotonic() + self.telemetry_interval
 
     # -- inputs -------------------------------------------------------------------------
@@ -206,6 +217,10 @@ class EngineLoop:
                     self._send(wire.OutputBatch(outputs))
                 if not core.has_unfinished():
                     self._next_publish = 0.0  # idle now: /metrics and consoles see it at once
+            if self.kv_events is not None:
+                events = core.take_kv_events()  # one batch per turn, handed over, never sent here
+                if events:
+                    self.kv_events.publish(events)
             if time.monotonic() >= self._next_publish:
                 self.publish()
         return 0

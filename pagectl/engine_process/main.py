@@ -72,6 +72,8 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     control_endpoint: str
     token_file: str
     telemetry_hz: float = 10.0
+    # ``--kv-events-config`` (vLLM's KVEventsConfig fields, checked by the daemon), or None.
+    kv_events_config: dict[str, Any] | None = None
 
 
 def _read_line(fd: int) -> bytes:
@@ -162,6 +164,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
 
     built = None
     pub = router = None
+    kv_pub = None
     try:
         try:
             token = read_token(cfg.token_file)
@@ -176,6 +179,12 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             control_ep = _bind(router, cfg.control_endpoint)
+            if cfg.kv_events_config is not None:
+                from pagectl.engine_process.kv_events import KVEventPublisher, KVEventsConfig
+
+                kv_cfg = msgspec.convert(cfg.kv_events_config, KVEventsConfig)
+                if kv_cfg.active:
+                    kv_pub = KVEventPublisher(kv_cfg, built.core.block_size, ctx=ctx)
         except Exception as e:  # report any start-up failure to the daemon
             traceback.print_exc()
             send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))
@@ -197,9 +206,12 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token=token,
             telemetry_interval=1.0 / cfg.telemetry_hz,
             stop_event=stop,
+            kv_events=kv_pub,
         )
         return loop.run()
     finally:
+        if kv_pub is not None:
+            kv_pub.shutdown()
         if built is not None:
             try:
                 built.shutdown()

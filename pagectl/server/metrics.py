@@ -140,6 +140,16 @@ class _EngineCollector:
             c.prompt_tokens,
         )
         yield _counter("pagectl:generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield _counter(
+            "pagectl:kv_events_published",
+            "KV-event batches sent (--kv-events-config).",
+            s.kv_events_published,
+        )
+        yield _counter(
+            "pagectl:kv_events_dropped",
+            "KV-event batches dropped because the publisher's queue was full.",
+            s.kv_events_dropped,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
