@@ -242,6 +242,7 @@ class KVEventPublisher:
             raise
         self._topic = cfg.topic.encode("utf-8")
         self._seq = 0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -255,6 +256,8 @@ class KVEventPublisher:
             self.num_dropped += 1
 
     def shutdown(self, timeout: float = 1.0) -> None:
+        """Stop the thread (what is still queued is not sent) and close the sockets."""
+        self._stop.set()
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
         self._thread.join(timeout)
@@ -270,7 +273,7 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
-        while True:
+        while not self._stop.is_set():
             if self._replay is not None:
                 while self._replay.poll(0):
                     try:

@@ -43,6 +43,31 @@ def _error(status: int, message: str, kind: str = "server_error") -> web.Respons
     return web.json_response(body, status=status)
 
 
+def _stream_error(backend: str) -> bytes:
+    err = {
+        "error": {
+            "message": f"backend {backend} was lost mid-stream",
+            "type": "server_error",
+            "param": None,
+            "code": 502,
+        }
+    }
+    # The blank lines end whatever partial event the backend left.
+    return f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _write_quietly(out: web.StreamResponse, data: bytes | None) -> bool:
+    """Write ``data`` (None: the end of the body) to the client; False if it has left."""
+    try:
+        if data is None:
+            await out.write_eof()
+        else:
+            await out.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError):
+        return False
+    return True
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         reg = self.registry = CollectorRegistry()
@@ -248,22 +273,20 @@ class Router:
                 status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
             )
             await out.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await out.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                b.mark_down()
-                self.metrics.stream_errors.labels(b.name).inc()
-                err = {
-                    "error": {
-                        "message": f"backend {b.name} was lost mid-stream",
-                        "type": "server_error",
-                        "param": None,
-                        "code": 502,
-                    }
-                }
-                await out.write(f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            await out.write_eof()
+            chunks = upstream.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    b.mark_down()
+                    self.metrics.stream_errors.labels(b.name).inc()
+                    await _write_quietly(out, _stream_error(b.name))
+                    break
+                if not await _write_quietly(out, chunk):
+                    return out  # the client left: closing the upstream aborts the request
+            await _write_quietly(out, None)
             return out
 
     async def models(self, request: web.Request) -> web.StreamResponse:
