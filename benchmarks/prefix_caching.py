@@ -170,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         args.seed,
     )
     if args.simulate:
-        budget = args.max_num_batched_tokens or 2048
+        from pagectl.engine.args import EngineArgs
+
+        # The engine runs on CPU in this benchmark: the CPU default budget.
+        budget = EngineArgs(max_num_batched_tokens=args.max_num_batched_tokens).token_budget("cpu")
         off = run_simulated(workload, False, budget)
         on = run_simulated(workload, True, budget)
     else:

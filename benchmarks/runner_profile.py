@@ -86,8 +86,16 @@ def build_core(cfg, model, args) -> EngineCore:
         attention_backend=args.attention_backend,
     )
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256, max_model_len=1024),
-        CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_blocks),
+        SchedulerConfig(
+            max_num_batched_tokens=args.budget,
+            max_num_seqs=256,
+            max_model_len=1024,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+        ),
+        CacheConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_blocks, enable_prefix_caching=True
+        ),
     )
     return EngineCore(sched, runner, vocab_size=cfg.vocab_size)
 

@@ -6,17 +6,18 @@ import os
 from typing import TYPE_CHECKING
 
 # OpenMP threads that spin while idle steal the CPU from the engine's own Python thread and
-# from other processes (2 threads on a busy 2-core machine ran 5x slower). Must be set before
-# torch is imported; an explicit setting in the environment wins.
+# from other processes (docs/MODEL_EXECUTION.md, "Threads on a shared machine"). Must be set
+# before torch is imported; an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
     from pagectl.engine.llm import LLM
     from pagectl.engine.sampling_params import SamplingParams
+    from pagectl.engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -25,6 +26,10 @@ def __getattr__(name: str):
         from pagectl.engine.llm import LLM
 
         return LLM
+    if name == "StructuredOutputsParams":
+        from pagectl.engine.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "SamplingParams":
         from pagectl.engine.sampling_params import SamplingParams
 

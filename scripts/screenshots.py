@@ -3,7 +3,8 @@
 Starts ``pagectl daemon`` on a tiny random-weight model (CPU), drives it with concurrent
 completions (a shared 64-token prefix, parallel sampling with n=3, long decodes) into a pool
 small enough to force preemptions, attaches the real console over ZMQ (headless, at a fixed
-terminal size) and saves SVG screenshots, plus PNG ones when cairosvg is installed.
+terminal size) and saves SVG screenshots, plus PNG ones when cairosvg is installed. A second
+console at 80x24 shows the compact layout (compact-80x24).
 
     python scripts/screenshots.py [--out screenshots] [--size 160x48] [--warmup 20]
 """
@@ -27,8 +28,38 @@ from tiny_models import build_tiny_model  # noqa: E402
 from pagectl.testing.daemon_process import DaemonProcess  # noqa: E402
 from pagectl.tui.app import PagectlTop  # noqa: E402
 from pagectl.tui.blockmodel import SHARED2, block_ids  # noqa: E402
+from pagectl.tui.daemon_choice import SelectingResolver  # noqa: E402
+from pagectl.tui.detokenize import Detokenizer  # noqa: E402
 from pagectl.tui.widgets.block_map import BlockMapView  # noqa: E402
-from pagectl.tui.zmq_source import ZmqSource, runtime_resolver  # noqa: E402
+from pagectl.tui.zmq_source import ZmqSource  # noqa: E402
+
+
+def console(run_dir: Path) -> PagectlTop:
+    chooser = SelectingResolver(str(run_dir))
+    detok = Detokenizer(lambda: chooser.info.tokenizer_path if chooser.info else None)
+    return PagectlTop(ZmqSource(chooser), chooser=chooser, detokenizer=detok)
+
+
+def busy_enough(app: PagectlTop, warmup: float) -> bool:
+    s = app.snapshot
+    return (
+        s is not None
+        and s.counters.preemptions > 0
+        and s.num_cached_free_blocks > 0
+        and any(r.index > 0 for r in s.requests)
+        and len(app.history.samples) >= warmup
+    )
+
+
+async def shoot_compact(run_dir: Path, out: Path, warmup: float) -> list[Path]:
+    """The same daemon in an 80x24 terminal: map, KV usage, events and requests."""
+    app = console(run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: busy_enough(app, warmup), 240, "a busy picture")
+        path = out / "compact-80x24.svg"
+        app.save_screenshot(str(path))
+        print(f"saved {path}")
+    return [path]
 
 
 def to_png(svg: Path) -> Path | None:
@@ -53,7 +84,7 @@ async def wait_until(pilot, predicate, timeout: float, what: str) -> None:
 
 
 async def shoot(run_dir: Path, daemon: DaemonProcess, out: Path, size, warmup: float) -> list[Path]:
-    app = PagectlTop(ZmqSource(runtime_resolver(str(run_dir))))
+    app = console(run_dir)
     saved: list[Path] = []
 
     def save(name: str) -> None:
@@ -65,17 +96,12 @@ async def shoot(run_dir: Path, daemon: DaemonProcess, out: Path, size, warmup: f
     async with app.run_test(size=size) as pilot:
         await wait_until(pilot, lambda: app.snapshot is not None, 60, "telemetry")
 
-        def busy() -> bool:
-            s = app.snapshot
-            return (
-                s is not None
-                and s.counters.preemptions > 0
-                and s.num_cached_free_blocks > 0
-                and any(r.index > 0 for r in s.requests)
-                and len(app.history.samples) >= warmup
-            )
-
-        await wait_until(pilot, busy, 240, "a busy picture: preemption, cached blocks, n>1")
+        await wait_until(
+            pilot,
+            lambda: busy_enough(app, warmup),
+            240,
+            "a busy picture: preemption, cached blocks, n>1",
+        )
         save("overview")
 
         # A shared block, inspected through the control channel.
@@ -137,7 +163,8 @@ def main() -> int:
         daemon = DaemonProcess(tmp_path / "run", daemon_args).start()
         load = MixedLoad(daemon.base_url, workers=12, max_tokens=200).start()
         try:
-            saved = asyncio.run(shoot(tmp_path / "run", daemon, out, size, args.warmup))
+            saved = asyncio.run(shoot_compact(tmp_path / "run", out, args.warmup))
+            saved += asyncio.run(shoot(tmp_path / "run", daemon, out, size, args.warmup))
         finally:
             load.stop()
             daemon.kill()

@@ -85,6 +85,11 @@ def test_runtime_file_token_and_status(daemon):
     assert st["engine_state"] == "running" and st["kv"]["num_blocks"] == 128
     text = ctl_ok(daemon, "status")
     assert "max_num_batched_tokens=256" in text and "enable_prefix_caching=on" in text
+    assert st["attention_backend"] in ("cpu-kernel", "torch") and st["memory_profile"] == {}
+    assert (
+        f"execution attention {st['attention_backend']}, KV cache {st['kv_cache_dtype']}, "
+        "CUDA graphs off" in text
+    )
 
 
 def test_prefix_cache_off_reports_zero_cached_tokens(daemon, client):

@@ -126,6 +126,9 @@ def test_control_request_struct_matches_the_documented_map():
         "client": "c",
         "command": {"cmd": "prefix_cache", "enabled": False},
         "version": 1,
+        # The sender's own uid and pid, for the audit log (peer credentials win on ipc).
+        "uid": os.getuid(),
+        "pid": os.getpid(),
     }
 
 
@@ -328,7 +331,10 @@ def test_control_and_telemetry_through_the_client_classes():
                 if snap.config["max_num_batched_tokens"] == 16:
                     break
             assert snap.config["max_num_batched_tokens"] == 16
-            assert any(e.kind == "config" and e.data["client"] == "tester" for e in snap.events)
+            # Who: the client's name, then the uid and pid (inproc has no peer credentials:
+            # what the client reported).
+            who = f"tester (uid {os.getuid()}, pid {os.getpid()}, reported)"
+            assert any(e.kind == "config" and e.data["client"] == who for e in snap.events)
             with pytest.raises(AdminError) as ei:
                 admin.command(SetConfig("max_num_seqs", 10_000))
             assert ei.value.kind == "invalid_value"

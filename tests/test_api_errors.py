@@ -113,6 +113,19 @@ COMPLETION_400 = [
     ({"prompt": "hi", "priority": 1.5}, "priority", "integer"),
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "non-empty"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported by pagectl"),
+    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "not supported by pagectl"),
+    (
+        {
+            "prompt": "hi",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "object", "properties": 5}},
+            },
+        },
+        "response_format",
+        "properties must be an object",
+    ),
     ({"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
     ({"prompt": ["p"] * 300}, "prompt", "at most 256"),
 ]
@@ -160,15 +173,82 @@ CHAT_400 = [
     (
         {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
         "tools",
-        "not supported",
+        "needs a string `name`",
     ),
     (
         {
             "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_object"},
+            "response_format": {"type": "structural_tag"},
         },
         "response_format",
-        "text",
+        "not supported by pagectl",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 3},
+        "use_beam_search",
+        "`use_beam_search` is not supported by pagectl",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"},
+        "chat_template",
+        "--trust-request-chat-template",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"chat_template": "{{ 'x' }}"},
+        },
+        "chat_template_kwargs",
+        "--trust-request-chat-template",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tool_choice",
+        "--enable-auto-tool-choice",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "not in tools",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "foo"}},
+        "guided_json",
+        "Unsupported type",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a(b"},
+        "guided_regex",
+        "parenthesis",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "structured_outputs": {"grammar": "root ::= x"},
+        },
+        "structured_outputs",
+        "not defined",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "guided_choice": ["a"],
+            "guided_regex": "a",
+        },
+        "guided_choice",
+        "one constraint",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+        "prompt_logprobs",
+        "not supported by pagectl",
     ),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 500}, "n", "<= 128"),
 ]

@@ -152,5 +152,5 @@ def test_backend_selection():
         select_backend("flash", cpu, 256, torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 256"):
         select_backend("flash", cpu, 16, torch.bfloat16)
-    with pytest.raises(ValueError, match="auto, torch, cpu-kernel, flash"):
+    with pytest.raises(ValueError, match="auto, torch, cpu-kernel, triton, flash"):
         select_backend("xformers", cpu, 16, torch.float32)

@@ -151,22 +151,8 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Cycles known and being broken elsewhere; each entry must still be a cycle (remove it once
-# broken). builder <-> distributed.workers <-> distributed.worker: tensor-parallel start-up.
-_PENDING_CYCLES = [
-    [
-        "pagectl.engine.builder",
-        "pagectl.engine.distributed.worker",
-        "pagectl.engine.distributed.workers",
-    ],
-]
-
-
 def test_no_import_cycle_between_pagectl_modules():
-    found = _cycles(_import_graph())
-    stale = [c for c in _PENDING_CYCLES if c not in found]
-    assert not stale, f"no longer a cycle: remove from _PENDING_CYCLES: {stale}"
-    cycles = [c for c in found if c not in _PENDING_CYCLES]
+    cycles = _cycles(_import_graph())
     assert not cycles, "import cycles (break them, or import under TYPE_CHECKING): " + "; ".join(
         " <-> ".join(c) for c in cycles
     )

@@ -60,7 +60,8 @@ CASES = [(m, c) for m in ("qwen3", "llama_gqa") for c in CONFIGS] + [
 
 def _engine(path, **kw):
     kw.setdefault("num_kv_blocks", 256)
-    return build_engine(EngineArgs(model=str(path), dtype="float32", **kw))
+    kw.setdefault("dtype", "float32")
+    return build_engine(EngineArgs(model=str(path), **kw))
 
 
 @pytest.mark.parametrize("model_name,config", CASES)
@@ -189,10 +190,13 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
     assert (info.dtype, info.device, info.tp_size) == ("float32", "cpu", 1)
     # Default on CPU: 2 GiB capped at a quarter of RAM (here "RAM" is 4 MiB -> 1 MiB).
     monkeypatch.setattr(kv_cache, "system_memory_bytes", lambda: 4 << 20)
-    built = _engine(path, num_kv_blocks=None, max_model_len=100000)
+    built = _engine(path, num_kv_blocks=None, max_model_len=512)
     assert built.core.scheduler.kv.num_blocks == num_blocks
     # max_model_len is capped at what the pool can hold.
-    assert built.max_model_len == num_blocks * 16
+    assert _engine(path, num_kv_blocks=8, max_model_len=512).max_model_len == 8 * 16
+    # Longer than the model's max_position_embeddings: refused, as vLLM does.
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        _engine(path, max_model_len=513)
     with pytest.raises(ValueError, match="no room for the KV cache"):
         _engine(path, num_kv_blocks=None, kv_cache_memory=1000)
     threads = torch.get_num_threads()
@@ -201,3 +205,44 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_kv_cache_dtype_sizes_and_stores_the_cache_in_its_own_dtype(models):
+    path, reference = models("qwen3")
+    per_block_f32 = 2 * 2 * 16 * 2 * 32 * 4
+    built = _engine(path, num_kv_blocks=None, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16")
+    info = built.core.model_info
+    runner = built.core.executor
+    assert (info.dtype, info.kv_cache_dtype) == ("float32", "bfloat16")
+    assert runner.kv.tensor.dtype == torch.bfloat16
+    assert info.kv_bytes_per_block == per_block_f32 // 2
+    assert built.core.scheduler.kv.num_blocks == (1 << 20) // (per_block_f32 // 2)
+    assert info.attention_backend == runner.backend.name
+    out = engine_greedy(built.core, PROMPTS[:3], 4)
+    # Rounded K/V: the first greedy token of these prompts still agrees (clear margins).
+    assert [t[0] for t in out["tokens"]] == [r[0] for r in reference[:3]]
+    assert runner.kv.tensor.abs().sum() > 0  # written through the bfloat16 cache
+    status = built.core.status()
+    assert (status["attention_backend"], status["kv_cache_dtype"]) == (
+        runner.backend.name,
+        "bfloat16",
+    )
+
+
+def test_kv_cache_dtype_refuses_fp8_and_unknown_names():
+    with pytest.raises(ValueError, match="fp8 KV caches are not supported yet"):
+        EngineArgs(kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16"):
+        EngineArgs(kv_cache_dtype="int4")
+
+
+def test_bfloat16_model_keeps_logits_in_float32(models):
+    path, _ = models("qwen3")
+    built = _engine(path, dtype="bfloat16", attention_backend="torch")
+    runner = built.core.executor
+    assert runner.kv.tensor.dtype == torch.bfloat16  # auto: the model's dtype
+    assert built.core.model_info.kv_cache_dtype == "bfloat16"
+    hidden = torch.zeros(2, runner.model_config.hidden_size, dtype=torch.bfloat16)
+    assert runner.model.compute_logits(hidden).dtype == torch.float32
+    out = engine_greedy(built.core, PROMPTS[:2], 3)
+    assert all(len(t) == 3 for t in out["tokens"])

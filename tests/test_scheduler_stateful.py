@@ -29,9 +29,15 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         sched = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=16, max_num_seqs=6, max_model_len=NUM_BLOCKS * BLOCK_SIZE
+                max_num_batched_tokens=16,
+                max_num_seqs=6,
+                max_model_len=NUM_BLOCKS * BLOCK_SIZE,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
             ),
-            CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
+            CacheConfig(
+                block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=True
+            ),
         )
         self.core = EngineCore(sched, FakeRunner(), vocab_size=100, eos_token_ids=[0])
         self.expected: dict[str, tuple[int, int]] = {}  # request_id -> (n, max_tokens)

@@ -15,6 +15,7 @@ changes.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -240,11 +241,19 @@ def test_impossible_split_fails_before_any_process_starts(models, groups):
 
 
 def test_a_rank_failing_at_start_up_is_reported_at_once(models, groups, tmp_path):
-    # A script without a main guard: the spawned worker re-imports it and fails before it
-    # joins the group. Rank 0 must say so within seconds, not wait out a timeout.
+    # A worker interpreter that fails before it joins the group (here: a sitecustomize that
+    # ends every worker process at start-up). Rank 0 must say so within seconds, not wait
+    # out a timeout.
     groups.close()
     path, _ = models("qwen3")
-    script = tmp_path / "no_guard.py"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if 'pagectl.engine.distributed.worker' in sys.orig_argv:\n"
+        "    raise SystemExit('this worker may not start')\n"
+    )
+    script = tmp_path / "failing_worker.py"
     script.write_text(
         textwrap.dedent(
             f"""
@@ -253,7 +262,8 @@ def test_a_rank_failing_at_start_up_is_reported_at_once(models, groups, tmp_path
             """
         )
     )
-    env = {**os.environ, "PAGECTL_TP_STARTUP_TIMEOUT_S": "300"}
+    pythonpath = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PAGECTL_TP_STARTUP_TIMEOUT_S": "300", "PYTHONPATH": pythonpath}
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
@@ -261,7 +271,23 @@ def test_a_rank_failing_at_start_up_is_reported_at_once(models, groups, tmp_path
     assert r.returncode != 0
     assert time.monotonic() - t0 < 60
     assert "TPWorkerError: tensor-parallel rank 1 (pid" in r.stderr
-    assert "before joining the group" in r.stderr and "__main__" in r.stderr
+    assert "before joining the group" in r.stderr and "this worker may not start" in r.stderr
+
+
+def test_a_script_without_a_main_guard_runs_tensor_parallel(models, groups, tmp_path):
+    # Workers are fresh interpreters: nothing re-imports the script, so vLLM-style scripts
+    # run as they are.
+    groups.close()
+    path, _ = models("qwen3")
+    code = (
+        f"from pagectl import LLM, SamplingParams; llm = LLM(model={str(path)!r}, "
+        "tensor_parallel_size=2); "
+        'print(repr(llm.generate("x")[0].outputs[0].text))'
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = r.stdout.splitlines()
+    assert isinstance(ast.literal_eval(line), str)  # the sampled text (sampling: no reference)
 
 
 # -- LLM: shutdown, and a worker killed while idle --------------------------------------
@@ -416,7 +442,7 @@ def daemon(models, groups, tmp_path_factory):
 
 
 def _workers_of(d: DaemonProcess) -> list[psutil.Process]:
-    return [c for c in d.children() if "spawn_main" in " ".join(c.cmdline())]
+    return [c for c in d.children() if "pagectl.engine.distributed.worker" in " ".join(c.cmdline())]
 
 
 def test_daemon_tp2_serves_the_openai_api(daemon, models):

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -160,4 +166,43 @@ async def test_the_console_survives_the_daemon_going_away(tmp_path):
             await wait_for(pilot, lambda: app.link.state == LIVE, timeout=60)
             assert app.source.can_control
     finally:
+        daemon.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_top_in_a_real_80x24_terminal(tmp_path, tok_dir):
+    """`pagectl top` in tmux at 80x24 against a (fake-model) daemon: the block map, KV usage,
+    the events panel and the requests table are all on screen."""
+    fake = ["--engine-factory", "pagectl.testing.fake_engine:fake_engine"]
+    daemon = DaemonProcess(tmp_path / "run", ["--model", str(tok_dir), *fake]).start()
+    session = f"pagectl-e2e-{os.getpid()}"
+    cmd = (
+        f"{shlex.quote(sys.executable)} -m pagectl top --runtime-dir "
+        f"{shlex.quote(str(daemon.runtime_dir))}"
+    )
+    env = {k: v for k, v in daemon.env.items() if k in ("PYTHONPATH", "PATH", "HOME")}
+    tmux = ["tmux", "-L", session]
+    try:
+        subprocess.run(
+            [*tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
+             "env", *(f"{k}={v}" for k, v in env.items()), "TERM=xterm-256color", "sh", "-c",
+             cmd],
+            check=True,
+        )  # fmt: skip
+        screen = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            screen = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
+            ).stdout
+            if "● live" in screen and "KV usage" in screen and "Events" in screen:
+                break
+            time.sleep(0.5)
+        lines = screen.splitlines()
+        assert len(lines) <= 24 and max(map(len, lines)) <= 80
+        for words in ("KV blocks ·", "KV usage", "Events", "Requests", "● live", daemon.base_url):
+            assert words in screen, screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
         daemon.kill()

@@ -229,3 +229,32 @@ def test_replay_file_must_be_a_recording(tmp_path):
     bad.write_bytes(b"not a recording")
     with pytest.raises(ValueError, match="not a pagectl telemetry recording"):
         asyncio.run(ReplaySource(str(bad)).start())
+
+
+def test_header_and_ctl_status_show_how_the_engine_runs():
+    import msgspec
+
+    from pagectl.cli.ctl import _memory_profile
+    from pagectl.tui.connection import Connection
+    from pagectl.tui.widgets.header import render_header
+
+    snap = busy_snapshots()[-1]
+    link = Connection("live", "ipc://x", 0.1)
+    assert " attn " not in render_header(snap, link).plain  # unknown: not shown
+    profile = dict(
+        total_bytes=140 << 30,
+        gpu_memory_utilization=0.9,
+        used_after_load_bytes=2 << 30,
+        peak_activation_bytes=3 << 30,
+        profiled_tokens=8192,
+        kv_budget_bytes=121 << 30,
+    )
+    model = msgspec.structs.replace(
+        snap.model, attention_backend="triton", cuda_graph_max_batch=256, memory_profile=profile
+    )
+    text = render_header(msgspec.structs.replace(snap, model=model), link).plain
+    assert "· attn triton + graphs" in text and "(GPU 90% of 140.0 GiB, peak act 3.0 GiB)" in text
+    assert _memory_profile(profile) == (
+        ", GPU 90% of 140.0 GiB: 2.0 GiB in use after loading, 3.0 GiB peak activation, "
+        "121.0 GiB for KV"
+    )

@@ -46,8 +46,14 @@ MODEL = ModelInfo(
 
 def make_core(num_blocks: int = 96, budget: int = 256, max_seqs: int = 16) -> EngineCore:
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=1024),
-        CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks),
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            max_model_len=1024,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+        ),
+        CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, enable_prefix_caching=True),
     )
     info = ModelInfo(
         MODEL.model,
@@ -179,7 +185,8 @@ def huge_snapshot(num_blocks: int = 1_000_000, seed: int = 0, seq: int = 1) -> T
         )
     for r in rows[180:]:
         r.num_blocks = r.num_shared_blocks = r.num_computed_tokens = 0
-        r.num_cached_tokens = -1
+        r.num_cached_tokens = 0
+        r.admitted = False
         r.block_ids = b""
     ref[shared_prefix] = np.minimum(ref[shared_prefix], 255)
     used = int((ref > 0).sum())

@@ -85,3 +85,34 @@ def test_huge_pool_aggregated(snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_busy_at_terminal_size(snap_compare, size):
+    """80x24 keeps the block map, KV usage, the newest events and the requests (compact);
+    120x40 and 200x60 show every panel."""
+    snaps = busy_snapshots()
+    app, _, _ = make_app(snaps)
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+        assert app.compact == (size[0] < 120)
+
+    assert snap_compare(app, terminal_size=size, run_before=ready)
+
+
+@pytest.mark.parametrize("view", ["trends", "detail"])
+def test_compact_views_behind_the_v_key(snap_compare, view):
+    snaps = busy_snapshots()
+    app, _, _ = make_app(snaps)
+
+    async def ready(pilot):
+        await settle(pilot, app, len(snaps))
+        await pilot.press(*["v"] * (1 + app.VIEWS[1:].index(view)))
+        shared = int(block_ids(snaps[-1].requests[0])[0])
+        app.query_one(BlockMapView).select_cell(shared)
+        await wait_until(pilot, lambda: inspected(app), 2.0)
+        await pilot.pause()
+        assert app.view == view
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=ready)

@@ -65,8 +65,14 @@ def model_vocab_size(model: str) -> int:
 
 
 def hf_token_budget(args: argparse.Namespace) -> int:
-    """Token budget per step of transformers' continuous batching: pagectl's, or 2048."""
-    return args.hf_max_batch_tokens or args.max_num_batched_tokens or 2048
+    """Token budget per step of transformers' continuous batching: pagectl's (its flag, else
+    its default on the device the flags name)."""
+    if args.hf_max_batch_tokens:
+        return int(args.hf_max_batch_tokens)
+    from pagectl.engine.args import EngineArgs
+    from pagectl.engine.builder import resolve_device
+
+    return EngineArgs.from_cli(args).token_budget(resolve_device(args.device).type)
 
 
 def workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:

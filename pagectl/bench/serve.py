@@ -43,7 +43,7 @@ TARGET_OUTPUT_RATIO = 3.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
     p.add_argument("--url", default=None, help="base URL of a running daemon (default: start one)")
     p.add_argument(
@@ -77,17 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory prepended to PYTHONPATH for transformers serve only (its serving extras)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    add_engine_arguments(p)
+    add_cli_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """Daemon flags for the engine options that differ from their defaults."""
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
     ref = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(ref)
+    add_cli_arguments(ref)
     flags: list[str] = []
     # Each flag is spelled as the parser declares it (argparse lists its actions only here).
     for action in ref._actions:

@@ -33,6 +33,8 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
         ),
         CacheConfig(
             block_size=block_size,

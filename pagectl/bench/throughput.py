@@ -41,9 +41,9 @@ TARGETS = {"hf-cb": 5.0, "hf-static": 4.0, "forward": 0.6}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagectl.cli.generate import add_engine_arguments
+    from pagectl.engine.args import add_cli_arguments
 
-    add_engine_arguments(p)
+    add_cli_arguments(p)
     add_model_arguments(p)
     add_workload_arguments(p)
     g = p.add_argument_group("peers")
@@ -314,15 +314,14 @@ def format_header(spec: WorkloadSpec, model: str, threads: int) -> str:
 def _run_pagectl_engine(
     args: argparse.Namespace, model: str, workload: list[BenchRequest]
 ) -> EngineResult:
-    from pagectl.cli.generate import engine_kwargs
+    from pagectl.engine.args import EngineArgs
 
-    kw = engine_kwargs(args)
-    kw["model"] = model
+    engine_args = EngineArgs.from_cli(args, model=model)
     try:
         from pagectl.engine.llm import LLM
 
         log("pagectl: building the engine ...")
-        with LLM(**kw) as llm:
+        with LLM.from_engine_args(engine_args) as llm:
             log("pagectl: running ...")
             res = run_pagectl(llm, workload, args.temperature, profile=args.profile)
     except (ImportError, ModuleNotFoundError) as e:

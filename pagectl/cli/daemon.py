@@ -10,89 +10,28 @@ import sys
 
 import msgspec
 
-from pagectl.engine.args import ATTENTION_BACKENDS, DTYPES, GENERATION_CONFIG_MODES
+from pagectl.engine.args import EngineArgs, add_cli_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
+    p.add_argument(
+        "model_tag",
+        nargs="?",
         default=None,
-        help="Hugging Face model directory or hub id (default: the built-in model)",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (same as --model)",
     )
-    m.add_argument(
-        "--tokenizer", default=None, help="tokenizer directory or id (default: the model's)"
-    )
-    m.add_argument(
+    # The engine's flags (model, KV cache and scheduler), then the daemon's own.
+    add_cli_arguments(p, skip=("served_model_name",))
+    p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="name the API reports and accepts (default: the model's)",
+        metavar="NAME",
+        help="names the API accepts; the first is the one it reports (default: the model's)",
     )
-    m.add_argument("--dtype", choices=DTYPES, default="auto")
-    m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    m.add_argument(
-        "--tp",
-        "--tensor-parallel-size",
-        dest="tensor_parallel_size",
-        type=int,
-        default=1,
-        help="tensor-parallel ranks (default 1)",
-    )
-    m.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-    m.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    m.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    m.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
-        "else torch",
-    )
-    m.add_argument(
-        "--generation-config",
-        choices=GENERATION_CONFIG_MODES,
-        default="auto",
-        help="auto (default): a request's unset sampling fields take the model's "
-        "generation_config.json values; none: the engine's own defaults",
-    )
-
-    c = p.add_argument_group("KV cache and scheduler")
-    c.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    size = c.add_mutually_exclusive_group()
-    size.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    size.add_argument("--kv-cache-memory", default=None, help="KV memory budget, e.g. 4GiB")
-    size.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="CUDA: fraction of GPU memory for weights + KV (default 0.9)",
-    )
-    c.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step (live; default 2048 CPU / 8192 CUDA)",
-    )
-    c.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="most sequences running at once (live, up to this start-up value)",
-    )
-    c.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    c.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="prefix caching (live; default on)",
-    )
-    c.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="most prompt tokens one request prefills per step (live; 0: no cap)",
-    )
-    c.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    # None tells "not given" apart, so that giving it on CPU can be warned about.
+    p.set_defaults(gpu_memory_utilization=None)
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
@@ -100,7 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` (default: $PAGECTL_API_KEY, else none)",
+        help="require `Authorization: Bearer KEY`; visible to local users in the process "
+        "list, prefer --api-key-file or $PAGECTL_API_KEY",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (default: $PAGECTL_API_KEY, "
+        "else no key)",
     )
     s.add_argument(
         "--auth-allow",
@@ -108,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="path reachable without the API key (repeatable; default /health, /metrics)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="CORS: origins allowed to call the API from a browser (* for any; default none)",
     )
     s.add_argument(
         "--max-num-queued-requests",
@@ -122,10 +76,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request body in bytes (413 beyond; default 8 MiB)",
     )
     s.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        help="largest text prompt (UTF-8 bytes, a request's prompts or messages together), "
+        "refused with 400 before tokenization (default 2 MiB)",
+    )
+    s.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send a complete request head (default 10)",
+    )
+    s.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to receive a request body, 408 past it (default 60)",
+    )
+    s.add_argument(
+        "--http-keepalive-timeout",
+        type=float,
+        default=15.0,
+        help="seconds an idle keep-alive connection stays open (default 15)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="most open HTTP connections; past it the oldest idle one is closed (default: "
+        "half the open-file limit, at most 4096)",
+    )
+    s.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health answers 503 when the engine has sent nothing for this many seconds "
+        "(default 30; 0: off; keep it above the longest step)",
+    )
+    s.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM (default 30)",
+    )
+
+    o = p.add_argument_group("structured outputs, tools, chat templates, reasoning")
+    o.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_STRING",
+        help="chat template (a file or the template text) instead of the tokenizer's",
+    )
+    o.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (it runs sandboxed either way)",
+    )
+    o.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    o.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls look in this model's output: hermes, llama3_json, mistral",
+    )
+    o.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="put <think> text in reasoning_content: qwen3, deepseek_r1",
     )
 
     a = p.add_argument_group("admin channel")
@@ -146,6 +169,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="control ROUTER endpoint (ipc:// or loopback tcp://; default ipc in runtime dir)",
     )
     a.add_argument(
+        "--telemetry-public",
+        action="store_true",
+        help="allow a telemetry endpoint any local user can read (loopback tcp:// or "
+        "abstract ipc://@): telemetry carries no token",
+    )
+    a.add_argument(
         "--telemetry-hz", type=float, default=10.0, help="snapshots per second (default 10)"
     )
     a.add_argument(
@@ -164,27 +193,86 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
+def _chat_settings(args: argparse.Namespace):
+    """The chat options, checked (ValueError names the flag)."""
+    from pagectl.server.chat import ChatSettings
+    from pagectl.server.chat_template import load_template
+    from pagectl.server.reasoning import PARSERS as REASONING_PARSERS
+    from pagectl.server.tools.parsers import PARSERS as TOOL_PARSERS
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+            f"got {args.tool_call_parser!r}"
+        )
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {args.reasoning_parser!r}"
+        )
+    return ChatSettings(
+        chat_template=load_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
+def _port_busy(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (checked before the engine loads), or None."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None  # the server reports an unusable host itself
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    from pagectl.cli.generate import engine_kwargs
     from pagectl.control.runtime import loopback_only
     from pagectl.daemon.lifecycle import DaemonOptions
     from pagectl.daemon.lifecycle import run as run_daemon
-    from pagectl.engine.args import EngineArgs
+    from pagectl.server.connections import ConnectionLimits
     from pagectl.server.state import DEFAULT_AUTH_ALLOW, ServerSettings
 
     def fail(msg: str) -> int:
         print(f"pagectl daemon: {msg}", file=sys.stderr)
         return 2
 
-    try:
-        # The flags ``pagectl generate`` shares, then the daemon's own.
-        engine_args = EngineArgs(
-            **engine_kwargs(args),
-            served_model_name=args.served_model_name,
-            gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            scheduling_policy=args.scheduling_policy,
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            return fail(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    names = args.served_model_name or []
+    if args.gpu_memory_utilization is not None and args.device == "cpu":
+        print(
+            "pagectl daemon: warning: --gpu-memory-utilization has no effect on CPU "
+            "(size the KV cache with --kv-cache-memory or --num-kv-blocks)",
+            file=sys.stderr,
         )
+    busy = _port_busy(args.host, args.port)
+    if busy:
+        return fail(f"cannot listen on {args.host}:{args.port}: {busy}")
+    try:
+        engine_args = EngineArgs.from_cli(
+            args,
+            served_model_name=names[0] if names else None,
+            gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
+        )
+        chat = _chat_settings(args)
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
                 loopback_only(ep)
@@ -200,20 +288,59 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
         return fail("--max-num-queued-requests must be >= 0")
+    if args.max_connections is not None and args.max_connections < 1:
+        return fail("--max-connections must be >= 1")
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keepalive_timeout"):
+        if getattr(args, flag) < 0:
+            return fail(f"--{flag.replace('_', '-')} must be >= 0 (0: no timeout)")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
     # Where the tokenizer will come from, so the API server can load it while the engine
     # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
     builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
     hint = args.tokenizer or args.model or builtin
-    api_key = args.api_key or os.environ.get("PAGECTL_API_KEY") or None
+    tel = args.admin_telemetry_endpoint or ""
+    if (tel.startswith("tcp://") or tel.startswith("ipc://@")) and not args.telemetry_public:
+        return fail(
+            f"telemetry endpoint {tel} is readable by every local user (telemetry has no "
+            "token); use an ipc:// path, or pass --telemetry-public to accept that"
+        )
+    if args.api_key and args.api_key_file:
+        return fail("give --api-key or --api-key-file, not both")
+    api_key = args.api_key
+    if api_key:
+        print(
+            "pagectl daemon: warning: --api-key is visible to every local user in the "
+            "process list; use --api-key-file or $PAGECTL_API_KEY",
+            file=sys.stderr,
+        )
+    elif args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            return fail(f"cannot read --api-key-file: {e}")
+        if not api_key:
+            return fail(f"--api-key-file {args.api_key_file} holds no key")
+    api_key = api_key or os.environ.get("PAGECTL_API_KEY") or None
     settings = ServerSettings(
-        served_model_name=args.served_model_name,
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
+        allowed_origins=tuple(args.allowed_origins or ()),
         api_keys=[api_key] if api_key else [],
         auth_allow=tuple(args.auth_allow) if args.auth_allow is not None else DEFAULT_AUTH_ALLOW,
         max_num_queued_requests=args.max_num_queued_requests,
         max_body_size=args.max_request_body_size,
+        max_prompt_bytes=args.max_prompt_bytes,
+        health_stall_timeout=args.health_stall_timeout,
+        connection_limits=ConnectionLimits(
+            header_timeout=args.http_header_timeout,
+            body_timeout=args.http_body_timeout,
+            keepalive_timeout=args.http_keepalive_timeout,
+            max_connections=args.max_connections,
+        ),
         tokenizer_hint=hint if hint and os.path.isdir(hint) else None,
+        chat=chat,
     )
     opts = DaemonOptions(
         engine_args=engine_args,

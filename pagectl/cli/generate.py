@@ -5,58 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagectl.engine.args import ATTENTION_BACKENDS, GENERATION_CONFIG_MODES
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Model and engine flags shared by ``generate`` and ``bench``."""
-    p.add_argument(
-        "--model", default=None, help="model directory or hub id (default: the built-in model)"
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)"
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument(
-        "--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="prefix caching",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="auto (default): flash-attn on CUDA when usable, else the compiled CPU kernel, "
-        "else torch",
-    )
-    p.add_argument(
-        "--generation-config",
-        choices=GENERATION_CONFIG_MODES,
-        default="auto",
-        help="auto (default): unset sampling flags take the model's generation_config.json "
-        "values; none: the engine's own defaults",
-    )
+from pagectl.engine.args import EngineArgs, add_cli_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)"
     )
-    add_engine_arguments(p)
+    add_cli_arguments(p)
     g = p.add_argument_group(
         "sampling (a flag left out takes the model's generation_config.json value, else the "
         "default shown)"
@@ -87,28 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        attention_backend=args.attention_backend,
-        generation_config=args.generation_config,
-    )
-
-
 # Sampling flags that fall back to the model's defaults when left out.
 _DEFAULTED = (
     "temperature",
@@ -131,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in _DEFAULTED if getattr(args, k) is not None}
     try:  # bad flags fail before the model loads
         SamplingParams(n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, **given)
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM.from_engine_args(EngineArgs.from_cli(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"pagectl generate: {e}", file=sys.stderr)
         return 2

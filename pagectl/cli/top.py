@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagectl.cli.target import add_target_arguments, selector
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--runtime-dir",
-        help="where the daemon recorded its endpoints (default: $PAGECTL_RUNTIME_DIR, "
-        "$XDG_RUNTIME_DIR/pagectl or ~/.cache/pagectl/run)",
-    )
+    add_target_arguments(p)
     p.add_argument(
         "--telemetry", metavar="ENDPOINT", help="telemetry PUB endpoint (skips the runtime file)"
     )
@@ -29,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speed", type=float, default=1.0, help="replay speed (default 1; > and < change it live)"
     )
     p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one snapshot and exit, no console (with several daemons, choose one)",
+    )
+    p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    p.add_argument(
         "--stale-after",
         type=float,
         default=3.0,
@@ -38,16 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_source(args: argparse.Namespace):
-    """The ``AdminSource`` the flags ask for."""
+    """(the ``AdminSource`` the flags ask for, its ``SelectingResolver`` or None)."""
     if args.replay:
         from pagectl.tui.replay_source import ReplaySource
 
-        return ReplaySource(args.replay, speed=args.speed)
-    from pagectl.tui.zmq_source import Endpoints, ZmqSource, runtime_resolver
+        return ReplaySource(args.replay, speed=args.speed), None
+    from pagectl.tui.daemon_choice import SelectingResolver
+    from pagectl.tui.zmq_source import Endpoints, ZmqSource
 
     if args.telemetry:
-        return ZmqSource(Endpoints(args.telemetry, args.control, args.token_file))
-    return ZmqSource(runtime_resolver(args.runtime_dir))
+        return ZmqSource(Endpoints(args.telemetry, args.control, args.token_file)), None
+    chooser = SelectingResolver(args.runtime_dir, selector(args))
+    return ZmqSource(chooser), chooser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,8 +69,44 @@ def run(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         print("pagectl top: --speed must be > 0")
         return 2
+    if args.json and not args.once:
+        print("pagectl top: --json needs --once")
+        return 2
+    if args.once:
+        return _once(args)
     from pagectl.tui.app import PagectlTop
 
-    app = PagectlTop(build_source(args), record_path=args.record, stale_after=args.stale_after)
+    source, chooser = build_source(args)
+    app = PagectlTop(source, record_path=args.record, stale_after=args.stale_after, chooser=chooser)
     app.run()
+    return 0
+
+
+def _once(args: argparse.Namespace) -> int:
+    """``--once``: one snapshot on stdout (text, or JSON with ``--json``), exit 3 when no
+    daemon or no telemetry within 5 s, 2 when several daemons and none chosen."""
+    import sys
+
+    from pagectl.cli.snapshot_out import recv_one, snapshot_json, snapshot_text
+    from pagectl.control.runtime import RuntimeNotFound
+    from pagectl.control.selection import AmbiguousRuntime, select_runtime
+
+    info = None
+    if args.telemetry:
+        endpoint = args.telemetry
+    else:
+        try:
+            info = select_runtime(args.runtime_dir, selector(args))
+        except AmbiguousRuntime as e:
+            print(f"pagectl top: {e}", file=sys.stderr)
+            return 2
+        except RuntimeNotFound as e:
+            print(f"pagectl top: {e}", file=sys.stderr)
+            return 3
+        endpoint = info.telemetry_endpoint
+    snap = recv_one(endpoint, 5.0)
+    if snap is None:
+        print(f"pagectl top: no telemetry from {endpoint} within 5s", file=sys.stderr)
+        return 3
+    print(snapshot_json(snap, info) if args.json else snapshot_text(snap, info))
     return 0

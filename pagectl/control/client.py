@@ -31,7 +31,7 @@ import zmq.asyncio
 from pagectl.control.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
 from pagectl.control.runtime import RuntimeNotFound, find_runtime, read_token
 from pagectl.engine.commands import Command, CommandError
-from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot
+from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot, is_heartbeat
 
 __all__ = [
     "AdminClient",
@@ -233,7 +233,8 @@ class TelemetrySubscriber:
         self._sock.connect(endpoint)
 
     def recv_raw(self, timeout: float | None = None) -> bytes | None:
-        """The next snapshot frame undecoded (for recording), or None after ``timeout``."""
+        """The next frame undecoded (a snapshot or a heartbeat, see
+        ``telemetry.is_heartbeat``), or None after ``timeout``."""
         ms = -1 if timeout is None else int(timeout * 1000)
         if not self._sock.poll(ms):
             return None
@@ -246,9 +247,14 @@ class TelemetrySubscriber:
             ValueError: the snapshot has a newer major version than this client understands
                 (or is not a snapshot).
         """
-        frame = self.recv_raw(timeout)
-        if frame is None:
-            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            frame = self.recv_raw(left)
+            if frame is None:
+                return None
+            if not is_heartbeat(frame):  # heartbeats say "alive" between snapshots
+                break
         try:
             return decode_snapshot(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

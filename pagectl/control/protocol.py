@@ -17,6 +17,8 @@ enough to write another client, is docs/ADMIN_PROTOCOL.md.
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from pagectl.engine.commands import Command
@@ -36,6 +38,10 @@ class ControlRequest(msgspec.Struct, kw_only=True):
     # The command (tagged union on its "cmd" field).
     command: Command
     version: int = PROTOCOL_VERSION
+    # The sender's uid and pid as it reports them, for the audit log. On ipc:// the daemon
+    # records the kernel's peer credentials instead (see docs/ADMIN_PROTOCOL.md).
+    uid: int | None = msgspec.field(default_factory=os.getuid)
+    pid: int | None = msgspec.field(default_factory=os.getpid)
 
 
 class ErrorInfo(msgspec.Struct):
@@ -71,6 +77,14 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     control_endpoint: str
     # Path of the 0600 file holding the control token.
     token_file: str
+    # Tensor-parallel degree of the engine.
+    tp_size: int = 1
+    # The append-only JSON-lines audit file of accepted control commands ("" before v1.1
+    # daemons, which kept none).
+    audit_file: str = ""
+    # Where clients load the model's tokenizer to show token ids as text ("" when the model
+    # has none).
+    tokenizer_path: str = ""
     version: int = PROTOCOL_VERSION
 
 

@@ -1,14 +1,17 @@
 """``pagectl daemon``: run the API server, the engine process and the admin channel.
 
 Life cycle:
-1. Create this daemon's 0700 directory under the runtime dir and the 0600 control token.
+1. Remove the directories of dead daemons from the runtime dir, create this daemon's 0700
+   directory there and the 0600 control token (an unsafe runtime dir is refused, never
+   chmodded: ``control.runtime.runtime_base``).
 2. Start the app: its cleanup_ctx spawns the engine process and waits for the handshake.
 3. Listen on HTTP, then write the runtime file (so finders only see a daemon that serves).
 4. Until SIGTERM/SIGINT: serve. If the engine dies, in-flight requests get an error,
    /health answers 503 for a short grace period, and the daemon exits 1.
 5. On SIGTERM/SIGINT: drain. New requests get 503; in-flight ones run to completion for at
    most ``drain_timeout`` seconds, then are aborted; the engine is shut down and the daemon
-   exits 0. A second signal skips the rest of the drain.
+   exits 0. A second signal skips the rest of the drain: every in-flight request ends with
+   a 503 ``shutting_down`` error (a stream: an error event, then ``[DONE]``).
 Every exit path removes the runtime directory and leaves no child process.
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -29,9 +31,10 @@ from aiohttp import web
 from pagectl.control.protocol import RuntimeInfo
 from pagectl.control.runtime import DaemonDir, loopback_only
 from pagectl.engine.args import EngineArgs
-from pagectl.engine_process.client import EngineClient, EngineStartError
+from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
 from pagectl.engine_process.main import EngineProcConfig
 from pagectl.server.app import create_app
+from pagectl.server.connections import GuardedAppRunner
 from pagectl.server.state import STATE, ServerSettings
 
 log = logging.getLogger("pagectl.daemon")
@@ -74,14 +77,24 @@ class _Lifecycle:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._drain_task: asyncio.Task | None = None
+        self._stop_task: asyncio.Task | None = None
 
     def on_signal(self, signame: str) -> None:
         if self._drain_task is None:
             _say(f"{signame} received: draining (a second signal stops at once)")
             self._drain_task = asyncio.create_task(self._drain())
-        else:
-            _say(f"{signame} received again: stopping now")
-            self.stop.set()
+        elif self._stop_task is None:
+            _say(f"{signame} received again: stopping now (in-flight requests get an error)")
+            self._stop_task = asyncio.create_task(self._stop_now())
+
+    async def _stop_now(self) -> None:
+        """End every in-flight request with an error (streams get an error event and
+        [DONE]), give their handlers a moment to send it, then stop."""
+        self.engine.abort_all()
+        self.engine.fail_all(ServerStoppingError("the server is stopping"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.state.idle.wait(), ABORT_GRACE_S)
+        self.stop.set()
 
     def on_engine_dead(self, reason: str) -> None:
         _say(f"engine died: {reason}; exiting")
@@ -104,7 +117,11 @@ class _Lifecycle:
 
 async def serve(opts: DaemonOptions) -> int:
     """Run the daemon until it is stopped; returns the exit status."""
-    ddir = DaemonDir(opts.runtime_dir)
+    try:
+        ddir = DaemonDir(opts.runtime_dir)
+    except OSError as e:  # a runtime dir we refuse to use (see control.runtime.runtime_base)
+        _say(str(e))
+        return 2
     try:
         tel = opts.telemetry_endpoint or ddir.endpoint("telemetry")
         ctl = opts.control_endpoint or ddir.endpoint("control")
@@ -113,13 +130,14 @@ async def serve(opts: DaemonOptions) -> int:
         ddir.create_token()
         engine = EngineClient(
             EngineProcConfig(
-                engine_args=dataclasses.asdict(opts.engine_args),
+                engine_args=opts.engine_args,
                 engine_factory=opts.engine_factory,
                 input_endpoint="",
                 output_endpoint="",
                 telemetry_endpoint=tel,
                 control_endpoint=ctl,
                 token_file=str(ddir.token_file),
+                audit_file=str(ddir.audit_file),
                 telemetry_hz=opts.telemetry_hz,
                 kv_events_config=opts.kv_events_config,
             ),
@@ -127,8 +145,12 @@ async def serve(opts: DaemonOptions) -> int:
             output_endpoint=ddir.endpoint("engine-out"),
         )
         app = create_app(opts.server, engine)
-        runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
+        runner = GuardedAppRunner(
+            app,
+            opts.server.connection_limits,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=ABORT_GRACE_S,
         )
         # A signal during start-up (the engine may take minutes to load) stops cleanly.
         loop = asyncio.get_running_loop()
@@ -180,6 +202,9 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
             telemetry_endpoint=ready.telemetry_endpoint,
             control_endpoint=ready.control_endpoint,
             token_file=str(ddir.token_file),
+            tp_size=ready.model_info.tp_size,
+            audit_file=str(ddir.audit_file),
+            tokenizer_path=ready.tokenizer_path or "",
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")

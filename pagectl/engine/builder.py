@@ -2,7 +2,7 @@
 
 The daemon and the offline ``LLM`` both call ``build_engine``. Sizing rules:
 
-- ``max_num_batched_tokens``: the argument, else 2048 on CPU and 8192 on CUDA;
+- ``max_num_batched_tokens``: ``EngineArgs.token_budget`` (the argument, else by device);
 - KV blocks: ``num_kv_blocks``; else ``kv_cache_memory`` bytes; else on CUDA the
   ``gpu_memory_utilization`` share of the device left after the weights and a warm-up forward
   at the token budget; else on CPU 2 GiB capped at a quarter of RAM;
@@ -23,14 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
-from pagectl.engine.args import EngineArgs, parse_size
+from pagectl.engine.args import EngineArgs, parse_size, parse_structured_outputs_config
 from pagectl.engine.config import CacheConfig, SchedulerConfig
 from pagectl.engine.core import EngineCore
 from pagectl.engine.distributed.sync import NO_SYNC, RankSync
 from pagectl.engine.distributed.workers import TPWorkers, default_cpu_threads
-from pagectl.engine.loader import check_supported, load_model, resolve_dtype, resolve_model_path
+from pagectl.engine.loader import (
+    check_supported,
+    load_model,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_model_path,
+)
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.parallel import SINGLE, TPGroup, check_tp_split
 from pagectl.engine.runner.kv_cache import cuda_kv_bytes, default_cpu_kv_bytes, kv_bytes_per_block
@@ -117,6 +124,8 @@ class RankBuild:
     num_blocks: int
     max_num_batched_tokens: int
     max_model_len: int
+    # CUDA pool sized from memory: the profile's figures (bytes; see _num_kv_blocks).
+    memory_profile: dict[str, float] = field(default_factory=dict)
 
 
 def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> BuiltEngine:
@@ -157,7 +166,11 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
                 )
             enforce_eager = args.enforce_eager or workers.backend != "nccl"
             workers.begin_engine(
-                {"engine_args": args.to_dict(), "model_path": path, "enforce_eager": enforce_eager}
+                {
+                    "engine_args": msgspec.to_builtins(args),
+                    "model_path": path,
+                    "enforce_eager": enforce_eager,
+                }
             )
             rank = build_rank(
                 args,
@@ -210,7 +223,26 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         kv_bytes_per_block=rank.kv_bytes_per_block,
         kv_bytes_per_rank=rank.kv_bytes_per_block * rank.num_blocks,
         max_model_len=rank.max_model_len,
+        attention_backend=rank.runner.backend.name,
+        kv_cache_dtype=str(rank.runner.kv.tensor.dtype).removeprefix("torch."),
+        memory_profile=rank.memory_profile,
     )
+    graphs = rank.runner.cuda_graphs
+    if graphs is not None:
+        info.cuda_graph_max_batch = graphs.max_batch_size
+        info.cuda_graph_capture_s = graphs.capture_s
+        info.cuda_graph_bytes = graphs.capture_bytes
+    structured = None
+    if tokenizer is not None:
+        from pagectl.engine.structured_outputs.manager import StructuredOutputManager
+
+        so_config = parse_structured_outputs_config(args.structured_outputs_config)
+        structured = StructuredOutputManager(
+            tokenizer,
+            mcfg.vocab_size,
+            eos,
+            disable_any_whitespace=so_config["disable_any_whitespace"],
+        )
     core = EngineCore(
         scheduler,
         rank.runner,
@@ -218,6 +250,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         eos_token_ids=eos,
         model_info=info,
         tokenizer_decode=tokenizer.decode if tokenizer is not None else None,
+        structured_outputs=structured,
     )
     return BuiltEngine(
         core,
@@ -250,19 +283,28 @@ def build_rank(
     at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready)."""
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     model = load_model(path, mcfg, dtype, device, tp)
     sync.barrier("loaded")
 
-    max_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+    max_tokens = args.token_budget(device.type)
     attn = model.attention_layers[0]
     per_block = kv_bytes_per_block(
-        mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, dtype
+        mcfg.num_hidden_layers, args.block_size, attn.num_kv_heads, attn.head_dim, kv_dtype
     )
     # Every rank holds the same block ids: the pool is as large as the smallest rank allows.
+    profile: dict[str, float] = {}
     num_blocks = sync.agree_min(
-        "num_kv_blocks", _num_kv_blocks(args, model, per_block, max_tokens, device, local_size)
+        "num_kv_blocks",
+        _num_kv_blocks(args, model, per_block, max_tokens, device, local_size, kv_dtype, profile),
     )
     capacity = num_blocks * args.block_size
+    if args.max_model_len and args.max_model_len > mcfg.max_position_embeddings:
+        # As vLLM: a longer context than the model was built for is refused, not served.
+        raise ValueError(
+            f"max_model_len {args.max_model_len} is longer than the model's "
+            f"max_position_embeddings ({mcfg.max_position_embeddings})"
+        )
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
     if max_model_len > capacity:
         if tp.rank == 0:
@@ -276,6 +318,7 @@ def build_rank(
         mcfg,
         device=device,
         dtype=dtype,
+        kv_cache_dtype=kv_dtype,
         block_size=args.block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
@@ -287,14 +330,14 @@ def build_rank(
         tp_driver=tp_driver,
     )
     sync.barrier("ready")
-    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len)
+    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len, profile)
 
 
 def build_worker_runner(
     config: dict[str, Any], tp: TPGroup, sync: RankSync, device: torch.device, local_size: int
 ) -> ModelRunner:
     """A worker rank's runner for the engine rank 0 described in ``config``."""
-    args = EngineArgs(**config["engine_args"])
+    args = msgspec.convert(config["engine_args"], EngineArgs)
     path = config["model_path"]
     if not Path(path, "config.json").is_file():  # another node: its own copy of the model
         path = resolve_model(args.model)
@@ -321,7 +364,13 @@ def _num_kv_blocks(
     max_tokens: int,
     device: torch.device,
     local_size: int = 1,
+    kv_dtype: torch.dtype | None = None,
+    profile: dict[str, float] | None = None,
 ) -> int:
+    """The pool's block count on this rank; on CUDA without an explicit size, the memory
+    profile's figures go into ``profile`` and the log (as vLLM: the ``utilization`` share
+    of the device, less what is in use after loading, less the peak a forward at the token
+    budget adds; CUDA graphs, captured later, come out of the remaining headroom)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     if args.kv_cache_memory is not None:
@@ -331,9 +380,36 @@ def _num_kv_blocks(
 
         free, total = torch.cuda.mem_get_info(device)
         peak = measure_peak_activation(
-            model, max_tokens, args.max_num_seqs, args.block_size, args.attention_backend, device
+            model,
+            max_tokens,
+            args.max_num_seqs,
+            args.block_size,
+            args.attention_backend,
+            device,
+            kv_dtype,
         )
         budget = cuda_kv_bytes(device, args.gpu_memory_utilization, total - free, peak)
+        figures = dict(
+            total_bytes=total,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            used_after_load_bytes=total - free,
+            peak_activation_bytes=peak,
+            profiled_tokens=max_tokens,
+            kv_budget_bytes=budget,
+        )
+        if profile is not None:
+            profile.update(figures)
+        gib = 2**30
+        log.info(
+            "GPU memory: %.2f GiB total x %.2f utilization - %.2f GiB in use after loading - "
+            "%.2f GiB peak activation (a %d-token forward) = %.2f GiB for the KV cache",
+            total / gib,
+            args.gpu_memory_utilization,
+            (total - free) / gib,
+            peak / gib,
+            max_tokens,
+            budget / gib,
+        )
     else:
         # The CPU default is a share of this machine's RAM: split among its ranks.
         budget = default_cpu_kv_bytes() // local_size

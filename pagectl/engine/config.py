@@ -1,40 +1,29 @@
-"""Engine configuration: what is fixed at start-up and what an operator may change live."""
+"""Engine configuration as the scheduler holds it: sizes fixed at start-up and the values of
+the live settings (see live_config.py for which fields change live and their bounds).
+
+No defaults here: every value comes from ``EngineArgs`` (pagectl/engine/args.py, through
+``builder.build_engine``) or from a test or benchmark that sets it explicitly.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("fcfs", "priority")
-
 
 @dataclass
 class SchedulerConfig:
-    """Scheduler limits. Fields marked live can change between steps (``Scheduler.set``)."""
+    """Scheduler limits. Fields marked live change between steps (``Scheduler.set``)."""
 
     # Live. Token budget of one step, prefill chunks and decodes together.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int
     # Live, up to its start-up value. Most sequences running at once.
-    max_num_seqs: int = 256
+    max_num_seqs: int
     # Longest sequence (prompt + output) a request may reach.
-    max_model_len: int = 4096
+    max_model_len: int
     # Live. Most tokens one request may prefill in one step (0: no cap beyond the budget).
-    long_prefill_token_threshold: int = 0
-    # "fcfs" or "priority" (lower value first, ties by arrival).
-    policy: str = "fcfs"
-    # Upper bound for a live max_num_batched_tokens (default: 4x the start-up budget).
-    max_num_batched_tokens_limit: int = 0
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
-        if not self.max_num_batched_tokens_limit:
-            self.max_num_batched_tokens_limit = 4 * self.max_num_batched_tokens
+    long_prefill_token_threshold: int
+    # "fcfs" or "priority" (lower value first, ties by arrival); args.SCHEDULING_POLICIES.
+    policy: str
 
 
 @dataclass
@@ -42,12 +31,12 @@ class CacheConfig:
     """KV cache shape."""
 
     # Token slots per block.
-    block_size: int = 16
+    block_size: int
     # Blocks in the pool.
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int
     # Whether full blocks are registered and looked up by content hash, at start-up (changed
     # live through ``Scheduler.set``, which the KV manager then holds).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -11,6 +11,9 @@ import time
 from array import array
 from typing import Protocol
 
+import msgspec
+import numpy as np
+
 from pagectl.engine.commands import (
     Abort,
     Command,
@@ -24,6 +27,7 @@ from pagectl.engine.commands import (
     SetPrefixCaching,
 )
 from pagectl.engine.kv.events import KVEvent, KVEventRecorder
+from pagectl.engine.live_config import normalize_name
 from pagectl.engine.outputs import (
     EngineCoreOutput,
     EngineRequest,
@@ -33,6 +37,7 @@ from pagectl.engine.outputs import (
 from pagectl.engine.request import Request, RequestStatus
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.scheduler import Scheduler
+from pagectl.engine.status import status_view
 from pagectl.engine.telemetry import (
     TELEMETRY_VERSION,
     BlockMap,
@@ -64,19 +69,25 @@ class EngineCore:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         model_info: ModelInfo | None = None,
         tokenizer_decode=None,
+        structured_outputs=None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_info = model_info or ModelInfo(max_model_len=scheduler.config.max_model_len)
-        # Optional callable(list[int]) -> str, used for block previews in InspectBlock.
+        # Optional callable(list[int]) -> str. Kept for callers in the same process; the
+        # admin channel never calls it (InspectBlock returns ids; clients detokenize).
         self.tokenizer_decode = tokenizer_decode
         self.start_time = time.time()
         # Set by the daemon: "draining" during shutdown, "dead" after a fatal error.
         self.state_override: str | None = None
         self._snapshot_seq = 0
+        self._tables = _BlockTables()
         self.max_model_len = scheduler.config.max_model_len
+        # A ``StructuredOutputManager`` (None: the model has no tokenizer, so constrained
+        # requests are refused).
+        self.structured_outputs = structured_outputs
 
     # -- requests -----------------------------------------------------------------------
 
@@ -113,7 +124,10 @@ class EngineCore:
             )
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        return Request(
+        constraint = sampling_params.structured_outputs
+        if constraint is not None and self.structured_outputs is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and it has none")
+        req = Request(
             request_id,
             list(prompt_token_ids),
             sampling_params,
@@ -122,6 +136,11 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt,
         )
+        if constraint is not None:
+            # Compiles on the manager's thread (or hits its cache); the scheduler holds the
+            # request back until the grammar is ready.
+            req.grammar = self.structured_outputs.submit(constraint)
+        return req
 
     def add_request(
         self,
@@ -199,6 +218,9 @@ class EngineCore:
         sched = self.scheduler
         so = sched.schedule()
         if so.is_empty and not so.block_copies:
+            if sched.only_compiling:
+                # Nothing to run until a grammar is ready: wait briefly instead of spinning.
+                self.structured_outputs.wait_any([r.grammar for r in sched.compiling], 0.002)
             return sched.take_pending_outputs()
         t0 = time.perf_counter()
         ro = self.executor.execute_model(so)
@@ -210,7 +232,7 @@ class EngineCore:
         """Apply one admin command. Returns a result dict; raises ``CommandError``."""
         sched = self.scheduler
         if isinstance(cmd, SetConfig):
-            name = cmd.name.replace("-", "_")
+            name = normalize_name(cmd.name)
             try:
                 old, new = sched.set(name, cmd.value, client)
             except KeyError as e:
@@ -247,68 +269,8 @@ class EngineCore:
         return "paused" if self.scheduler.paused else "running"
 
     def status(self) -> dict:
-        sched = self.scheduler
-        kv = sched.kv
-        pool = kv.pool
-        used_slots = self.used_token_slots()
-        total_slots = pool.num_blocks * pool.block_size
-        c = sched.counters
-        return {
-            "engine_state": self.engine_state(),
-            "model": self.model_info.model,
-            "dtype": self.model_info.dtype,
-            "device": self.model_info.device,
-            "tp_size": self.model_info.tp_size,
-            "kv_bytes_per_rank": self.model_info.kv_bytes_per_rank,
-            "uptime_s": round(time.time() - self.start_time, 3),
-            "config": sched.live_config(),
-            "kv": {
-                "num_blocks": pool.num_blocks,
-                "block_size": pool.block_size,
-                "num_used_blocks": pool.num_used_blocks,
-                "num_free_blocks": pool.num_free_blocks,
-                "num_cached_free_blocks": pool.num_cached_free_blocks,
-                "usage_perc": pool.num_used_blocks / pool.num_blocks,
-                "token_usage_perc": used_slots / total_slots,
-            },
-            "counters": {
-                "prefix_queries": c.prefix_queries,
-                "prefix_hits": c.prefix_hits,
-                "preemptions": c.preemptions,
-                "preemptions_by_reason": dict(c.preemptions_by_reason),
-                "prompt_tokens": c.prompt_tokens,
-                "generation_tokens": c.generation_tokens,
-                "steps": c.steps,
-                "finished_by_reason": dict(c.finished_by_reason),
-                "rejected": c.rejected,
-                "evictions": pool.num_evictions,
-            },
-            "num_running": sched.num_running,
-            "num_waiting": sched.num_waiting,
-            "requests": [
-                {
-                    "request_id": r.request_id,
-                    "index": r.index,
-                    "state": _STATE_NAMES.get(r.status, "finished"),
-                    "priority": r.priority,
-                    "num_prompt_tokens": r.num_prompt_tokens,
-                    "num_output_tokens": r.num_output_tokens,
-                    "num_computed_tokens": r.num_computed_tokens,
-                    "num_cached_tokens": r.num_cached_tokens,
-                    "num_blocks": len(r.blocks),
-                    "num_preemptions": r.num_preemptions,
-                }
-                for r in self._live_requests()
-            ],
-            "last_steps": [
-                {
-                    "step_id": s.step_id,
-                    "num_scheduled_tokens": s.num_scheduled_tokens,
-                    "token_budget": s.token_budget,
-                }
-                for s in list(sched.step_stats)[-8:]
-            ],
-        }
+        """The ``status`` command's map: a view of a fresh snapshot (status.py)."""
+        return status_view(self.snapshot())
 
     def inspect_block(self, block_id: int) -> dict:
         pool = self.scheduler.kv.pool
@@ -330,12 +292,6 @@ class EngineCore:
                 fill = max(fill, f)
                 if tokens is None or len(tokens) < f:
                     tokens = r.all_token_ids[start : start + f]
-        text = None
-        if tokens and self.tokenizer_decode is not None:
-            try:
-                text = self.tokenizer_decode(tokens)
-            except Exception:  # a preview must never fail the command
-                text = None
         return {
             "block_id": block_id,
             "ref_cnt": b.ref_cnt,
@@ -343,8 +299,9 @@ class EngineCore:
             "hash": b.block_hash.hex() if b.block_hash else None,
             "owners": owners,
             "fill": fill,
+            # Ids only: detokenizing is the client's job (the console, ctl), never the
+            # engine thread's.
             "token_ids": tokens or [],
-            "text": text,
         }
 
     # -- telemetry ----------------------------------------------------------------------
@@ -352,52 +309,48 @@ class EngineCore:
     def _live_requests(self) -> list[Request]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)
 
-    def used_token_slots(self) -> int:
-        """Token slots holding computed tokens in blocks in use (shared blocks counted once)."""
-        pool = self.scheduler.kv.pool
-        bs = pool.block_size
-        empty: dict[int, int] = {}
-        for r in self.scheduler.running:
-            if r.block_ids:
-                filled_in_last = r.num_computed_tokens - (len(r.block_ids) - 1) * bs
-                if filled_in_last < bs:
-                    bid = r.block_ids[-1]
-                    gap = bs - max(filled_in_last, 0)
-                    prev = empty.get(bid)
-                    empty[bid] = gap if prev is None else min(prev, gap)
-        return pool.num_used_blocks * bs - sum(empty.values())
-
     def snapshot(self) -> TelemetrySnapshot:
-        """Build a telemetry snapshot (cost: O(blocks) memory copy + O(requests))."""
+        """Build a telemetry snapshot: copies, never the engine's own objects, so it reads
+        the same however long it is kept. Cost: O(blocks) memory copy + O(requests) rows,
+        the per-block work in numpy."""
         sched = self.scheduler
         pool = sched.kv.pool
         now = time.time()
         mono = time.monotonic()
-        rows = []
-        for r in self._live_requests():
-            shared = 0
-            for b in r.blocks:
-                if b.ref_cnt > 1:
-                    shared += 1
-            rows.append(
-                RequestRow(
-                    r.request_id,
-                    r.index,
-                    _STATE_NAMES.get(r.status, "finished"),
-                    r.priority,
-                    r.num_prompt_tokens,
-                    r.num_output_tokens,
-                    r.num_computed_tokens,
-                    r.num_cached_tokens,
-                    len(r.block_ids),
-                    shared,
-                    r.num_preemptions,
-                    max(0.0, mono - r.arrival_time),
-                    array("I", r.block_ids).tobytes(),
-                )
+        live = self._live_requests()
+        tables = self._tables.encode(live)
+        shared, empty_slots = _table_stats(
+            pool.ref_bytes,
+            tables,
+            [r.num_computed_tokens for r in sched.running],
+            pool.block_size,
+        )
+        rows = [
+            RequestRow(
+                r.request_id,
+                r.index,
+                _STATE_NAMES.get(r.status, "finished"),
+                r.priority,
+                r.num_prompt_tokens,
+                r.num_output_tokens,
+                r.num_computed_tokens,
+                r.num_cached_tokens,
+                len(r.block_ids),
+                num_shared,
+                r.num_preemptions,
+                max(0.0, mono - r.arrival_time),
+                table,
+                r.admitted,
             )
+            for r, table, num_shared in zip(live, tables, shared)
+        ]
         c = sched.counters
-        c.evictions = pool.num_evictions
+        counters = msgspec.structs.replace(
+            c,
+            preemptions_by_reason=dict(c.preemptions_by_reason),
+            finished_by_reason=dict(c.finished_by_reason),
+            evictions=pool.num_evictions,
+        )
         self._snapshot_seq += 1
         return TelemetrySnapshot(
             version=TELEMETRY_VERSION,
@@ -413,14 +366,90 @@ class EngineCore:
             num_free_blocks=pool.num_free_blocks,
             num_cached_free_blocks=pool.num_cached_free_blocks,
             num_used_blocks=pool.num_used_blocks,
-            num_used_token_slots=self.used_token_slots(),
+            num_used_token_slots=pool.num_used_blocks * pool.block_size - empty_slots,
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             requests=rows,
-            counters=c,
+            counters=counters,
             steps=list(sched.step_stats)[-64:],
             events=list(sched.events)[-64:],
         )
+
+
+class _BlockTables:
+    """Each live sequence's block table as uint32 bytes, kept from one snapshot to the next.
+
+    A table changes in place only by appends and by copy-on-write of its last block
+    (kv/manager.py), and is replaced by a new list when the sequence loses its blocks; so a
+    copy made from the same list object is brought up to date by re-reading its last entry
+    and appending what is new, and any other change shows as a different list or a shorter
+    one.
+    """
+
+    def __init__(self) -> None:
+        # Request -> (the block_ids list copied, its copy).
+        self._copies: dict[Request, tuple[list[int], array]] = {}
+
+    def encode(self, live: list[Request]) -> list[bytes]:
+        old = self._copies
+        new: dict[Request, tuple[list[int], array]] = {}
+        out = []
+        for r in live:
+            ids = r.block_ids
+            entry = old.get(r)
+            if entry is not None and entry[0] is ids:
+                copy = entry[1]
+                n = len(copy)
+                if n > len(ids):
+                    copy = array("I", ids)
+                elif n:
+                    copy[n - 1] = ids[n - 1]
+                    if n < len(ids):
+                        copy.extend(ids[n:])
+                elif ids:
+                    copy.extend(ids)
+            else:
+                copy = array("I", ids)
+            new[r] = (ids, copy)
+            out.append(copy.tobytes())
+        self._copies = new
+        return out
+
+
+def _table_stats(
+    ref_bytes: bytearray, tables: list[bytes], computed: list[int], block_size: int
+) -> tuple[list[int], int]:
+    """Per block table (uint32 block ids), how many of its blocks another table holds too
+    (refcount > 1); and the empty token slots in the partial last blocks of the first
+    ``len(computed)`` tables (the running sequences, ``computed`` their computed tokens),
+    a last block shared by several counted once with its smallest gap. Numpy throughout:
+    one gather over all tables' ids, one sum per table."""
+    if not tables:
+        return [], 0
+    ref = np.frombuffer(ref_bytes, dtype=np.uint8)
+    ids = np.frombuffer(b"".join(tables), dtype=np.uint32)
+    lengths = np.fromiter((len(t) >> 2 for t in tables), dtype=np.int64, count=len(tables))
+    ends = np.cumsum(lengths)
+    # hits[k]: shared blocks among the first k ids of all tables together.
+    hits = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(ref[ids] > 1, out=hits[1:])
+    shared = (hits[ends] - hits[ends - lengths]).tolist()
+    n = len(computed)
+    nb, end = lengths[:n], ends[:n]
+    have = nb > 0
+    filled = np.asarray(computed, dtype=np.int64)[have] - (nb[have] - 1) * block_size
+    gap = block_size - np.maximum(filled, 0)
+    partial = filled < block_size
+    last = ids[end[have] - 1][partial]
+    gap = gap[partial]
+    if len(last) == 0:
+        return shared, 0
+    # The smallest gap per block: sort by (block, gap), keep each block's first.
+    order = np.lexsort((gap, last))
+    last, gap = last[order], gap[order]
+    first = np.ones(len(last), dtype=bool)
+    first[1:] = last[1:] != last[:-1]
+    return shared, int(gap[first].sum())
 
 
 def _block_state(ref_cnt: int, hashed: bool) -> str:

@@ -4,7 +4,9 @@ pause/resume of admission. Each accepted change is recorded as an event (old -> 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagectl.engine.config import SchedulerConfig
@@ -12,23 +14,57 @@ if TYPE_CHECKING:
     from pagectl.engine.request import Request
     from pagectl.engine.telemetry import Event
 
-# Live settings: name -> (type, description).
-LIVE_SETTINGS = {
-    "max_num_batched_tokens": (int, "token budget of one step"),
-    "max_num_seqs": (int, "most sequences running at once"),
-    "long_prefill_token_threshold": (int, "most prompt tokens one request prefills per step"),
-    "enable_prefix_caching": (bool, "prefix caching on or off"),
-}
+
+@dataclass(frozen=True)
+class LiveSetting:
+    """One setting an operator may change while the engine runs (``SetConfig``)."""
+
+    # snake_case name, as in EngineArgs, SetConfig and the snapshot's config.
+    name: str
+    # int or bool.
+    type: type
+    # One line for ``ctl``'s help, the console and the docs' table.
+    description: str
+    # Lowest value (int settings).
+    low: int = 0
+    # Highest value as a multiple of the start-up value (1: up to it); None: no upper bound.
+    # A bounded setting's limit is in the snapshot's config as "<name>_limit".
+    startup_factor: int | None = None
+    # The console: a short label, and the multiple its ] / [ steps round to.
+    label: str = ""
+    granularity: int = 1
+    # The one method that applies a checked value (a LiveConfigMixin method), and the one
+    # that reads the value in force.
+    apply: Callable[[Any, Any], None] = lambda sched, value: None
+    read: Callable[[Any], Any] = lambda sched: None
+
+    @property
+    def flag(self) -> str:
+        """The kebab-case spelling (``ctl set`` and the CLI flag)."""
+        return self.name.replace("_", "-")
+
+    @property
+    def limit_key(self) -> str | None:
+        return f"{self.name}_limit" if self.startup_factor is not None else None
+
+    def limit(self, startup_value: int) -> int | None:
+        return None if self.startup_factor is None else self.startup_factor * startup_value
+
+
+def normalize_name(name: str) -> str:
+    """The snake_case name of a setting spelled either way (max-num-seqs, max_num_seqs)."""
+    return name.strip().lower().replace("-", "_")
 
 
 class LiveConfigMixin:
     """Live configuration of a ``Scheduler`` (which provides the attributes below)."""
 
     config: SchedulerConfig
+    # The configuration the engine started with (bounds "up to the start-up value").
+    startup_config: SchedulerConfig
     kv: KVCacheManager
     running: list[Request]
     paused: bool
-    max_num_seqs_limit: int
     block_size: int
 
     if TYPE_CHECKING:
@@ -38,47 +74,61 @@ class LiveConfigMixin:
     def set(self, name: str, value: object, client: str = "") -> tuple[object, object]:
         """Change one live setting; applied from the next step. Returns (old, new).
 
-        Raises ``KeyError`` for an unknown name and ``ValueError`` for a bad value.
+        ``name`` is snake_case or kebab-case. Raises ``KeyError`` for an unknown name and
+        ``ValueError`` for a bad value.
         """
-        if name not in LIVE_SETTINGS:
+        name = normalize_name(name)
+        setting = LIVE_SETTINGS.get(name)
+        if setting is None:
             raise KeyError(f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}")
-        typ = LIVE_SETTINGS[name][0]
-        if typ is bool:
-            value = _parse_bool(name, value)
-        else:
-            value = _parse_int(name, value)
-        cfg = self.config
-        if name == "max_num_batched_tokens":
-            if not 1 <= value <= cfg.max_num_batched_tokens_limit:
-                raise ValueError(
-                    f"max_num_batched_tokens must be in [1, {cfg.max_num_batched_tokens_limit}], "
-                    f"got {value}"
-                )
-        elif name == "max_num_seqs":
-            if not 1 <= value <= self.max_num_seqs_limit:
-                raise ValueError(
-                    f"max_num_seqs must be in [1, {self.max_num_seqs_limit}] (the start-up "
-                    f"value is the limit), got {value}"
-                )
-        elif name == "long_prefill_token_threshold" and value < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {value}")
-        if name == "enable_prefix_caching":
-            old = self.kv.enable_prefix_caching
-            self._set_prefix_caching(bool(value))
-        else:
-            old = getattr(cfg, name)
-            setattr(cfg, name, value)
+        value = self.check_value(setting, value)
+        old = setting.read(self)
+        setting.apply(self, value)
         if old != value:
             who = f" by {client}" if client else ""
+            # A lowered running cap never preempts: running sequences finish, admission
+            # waits until fewer than ``value`` run.
+            running = len(self.running)
+            drain = (
+                f" (draining: {running} running)"
+                if name == "max_num_seqs" and running > value
+                else ""
+            )
             self.add_event(
                 "config",
-                f"{name}: {old} -> {value}{who}",
+                f"{name}: {old} -> {value}{who}{drain}",
                 name=name,
                 old=old,
                 new=value,
                 client=client,
             )
         return old, value
+
+    def check_value(self, setting: LiveSetting, value: object) -> int | bool:
+        """``value`` parsed and within the setting's bounds (raises ``ValueError``)."""
+        name = setting.name
+        if setting.type is bool:
+            return _parse_bool(name, value)
+        v = _parse_int(name, value)
+        high = setting.limit(getattr(self.startup_config, name))
+        if high is None:
+            if v < setting.low:
+                raise ValueError(f"{name} must be >= {setting.low}, got {v}")
+        elif not setting.low <= v <= high:
+            why = " (the start-up value is the limit)" if setting.startup_factor == 1 else ""
+            raise ValueError(f"{name} must be in [{setting.low}, {high}]{why}, got {v}")
+        return v
+
+    # The appliers: every live change of the scheduler's behaviour happens in one of these.
+
+    def _set_max_num_batched_tokens(self, value: int) -> None:
+        self.config.max_num_batched_tokens = value
+
+    def _set_max_num_seqs(self, value: int) -> None:
+        self.config.max_num_seqs = value
+
+    def _set_long_prefill_token_threshold(self, value: int) -> None:
+        self.config.long_prefill_token_threshold = value
 
     def _set_prefix_caching(self, enabled: bool) -> None:
         kv = self.kv
@@ -116,20 +166,69 @@ class LiveConfigMixin:
         return old
 
     def live_config(self) -> dict[str, int | float | str | bool]:
-        cfg = self.config
-        return {
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "max_num_seqs": cfg.max_num_seqs,
-            "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
-            "enable_prefix_caching": self.kv.enable_prefix_caching,
-            "paused": self.paused,
-            "policy": cfg.policy,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.kv.num_blocks,
-            "max_model_len": cfg.max_model_len,
-            "max_num_seqs_limit": self.max_num_seqs_limit,
-            "max_num_batched_tokens_limit": cfg.max_num_batched_tokens_limit,
-        }
+        """The snapshot's config: every live setting, its limit, and the fixed sizes."""
+        out: dict[str, int | float | str | bool] = {}
+        for setting in LIVE_SETTINGS.values():
+            out[setting.name] = setting.read(self)
+        out.update(
+            paused=self.paused,
+            policy=self.config.policy,
+            block_size=self.block_size,
+            num_kv_blocks=self.kv.num_blocks,
+            max_model_len=self.config.max_model_len,
+        )
+        for setting in LIVE_SETTINGS.values():
+            high = setting.limit(getattr(self.startup_config, setting.name, 0))
+            if setting.limit_key and high is not None:
+                out[setting.limit_key] = high
+        return out
+
+
+# The live settings, in display order. Adding one: an entry here (and its applier above).
+LIVE_SETTINGS: dict[str, LiveSetting] = {
+    s.name: s
+    for s in (
+        LiveSetting(
+            "max_num_batched_tokens",
+            int,
+            "tokens one engine step may schedule (prefill chunks and decodes together)",
+            low=1,
+            startup_factor=4,
+            label="token budget",
+            granularity=64,
+            apply=LiveConfigMixin._set_max_num_batched_tokens,
+            read=lambda sched: sched.config.max_num_batched_tokens,
+        ),
+        LiveSetting(
+            "max_num_seqs",
+            int,
+            "most sequences running at once (up to the start-up value)",
+            low=1,
+            startup_factor=1,
+            label="running cap",
+            apply=LiveConfigMixin._set_max_num_seqs,
+            read=lambda sched: sched.config.max_num_seqs,
+        ),
+        LiveSetting(
+            "long_prefill_token_threshold",
+            int,
+            "most prompt tokens one request prefills per step (0: only the budget limits it)",
+            low=0,
+            label="long-prefill threshold",
+            granularity=64,
+            apply=LiveConfigMixin._set_long_prefill_token_threshold,
+            read=lambda sched: sched.config.long_prefill_token_threshold,
+        ),
+        LiveSetting(
+            "enable_prefix_caching",
+            bool,
+            "prefix caching on or off (off forgets every cached prefix)",
+            label="prefix caching",
+            apply=LiveConfigMixin._set_prefix_caching,
+            read=lambda sched: sched.kv.enable_prefix_caching,
+        ),
+    )
+}
 
 
 def _parse_bool(name: str, value: object) -> bool:
@@ -155,3 +254,26 @@ def _parse_int(name: str, value: object) -> int:
         except ValueError:
             pass
     raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def settings_table() -> str:
+    """The Markdown table of the live settings in docs/ADMIN_PROTOCOL.md (a test checks that
+    the docs hold exactly this)."""
+    rows = [("name", "type", "range", "meaning")]
+    for s in LIVE_SETTINGS.values():
+        if s.type is bool:
+            span = '`true`/`false`, or `"on"`/`"off"`, `"1"`/`"0"`, ...'
+        elif s.startup_factor is None:
+            span = f">= {s.low}"
+        else:
+            whose = (
+                "the start-up value"
+                if s.startup_factor == 1
+                else f"{s.startup_factor}x the start-up value"
+            )
+            span = f"{s.low} .. `{s.limit_key}` ({whose})"
+        rows.append((f"`{s.name}`", s.type.__name__, span, s.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

@@ -68,42 +68,21 @@ class RequestOutput:
 class LLM:
     """An engine in this process, for batch generation without a server."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: str | int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``LLM(model, **EngineArgs fields)``; every option and its default is in
+        ``EngineArgs`` (pagectl/engine/args.py)."""
+        self._start(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         from pagectl.engine.builder import build_engine
 
-        self.args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            **kwargs,
-        )
+        self.args = args
         self.engine = build_engine(self.args)
         self.core = self.engine.core
         self.tokenizer = self.engine.tokenizer

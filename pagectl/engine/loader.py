@@ -67,6 +67,17 @@ def resolve_dtype(requested: str, model_config: ModelConfig, device: torch.devic
     return dtype
 
 
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for ``requested`` ("auto": the model's compute dtype)."""
+    if requested == "auto":
+        return model_dtype
+    if requested not in _DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be auto or one of {sorted(_DTYPES)}, got {requested!r}"
+        )
+    return _DTYPES[requested]
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a model directory, in load order."""
     p = Path(path)

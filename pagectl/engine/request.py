@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagectl.engine.sampling_params import SamplingParams
 
@@ -54,6 +54,7 @@ class Request:
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
+        "admitted",
         "blocks",
         "block_ids",
         "block_hashes",
@@ -70,6 +71,7 @@ class Request:
         "pending_forks",
         "stop_reason",
         "error",
+        "grammar",
     )
 
     def __init__(
@@ -99,8 +101,10 @@ class Request:
         # Tokens whose K/V are in this sequence's blocks. Tokens in [num_computed_tokens,
         # len(all_token_ids)) still have to be fed to the model.
         self.num_computed_tokens = 0
-        # Prompt tokens served by the prefix cache at first admission (-1: not admitted yet).
-        self.num_cached_tokens = -1
+        # Prompt tokens served by the prefix cache at first admission (0 until then), and
+        # whether that admission happened (a preempted sequence stays admitted).
+        self.num_cached_tokens = 0
+        self.admitted = False
         # Block table (append-only except copy-on-write of the last block): blocks[i] holds
         # token slots [i * block_size, (i + 1) * block_size). block_ids mirrors it as ints.
         self.blocks: list[KVBlock] = []
@@ -130,6 +134,28 @@ class Request:
         self.pending_forks = sp.n
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The structured-outputs matcher (a ``GrammarState``) when the request is
+        # constrained; it has accepted exactly the output tokens so far.
+        self.grammar: Any = None
+
+    def fork(self, index: int) -> Request:
+        """Sample ``index`` of this request: the same tokens, progress and stop conditions,
+        no blocks yet (the KV manager shares the parent's, ``KVCacheManager.fork``), forked
+        once and for all (``pending_forks`` 1). Lists and the grammar matcher's state are the
+        child's own."""
+        child = Request.__new__(Request)
+        for slot in Request.__slots__:
+            setattr(child, slot, getattr(self, slot))
+        child.index = index
+        child.seq_id = f"{self.request_id}#{index}"
+        child.all_token_ids = list(self.all_token_ids)
+        child.blocks = []
+        child.block_ids = []
+        child.block_hashes = list(self.block_hashes)
+        child.pending_forks = 1
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
+        return child
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from pagectl.engine.structured_outputs.params import StructuredOutputsParams
+
 # Caps that keep one request from monopolising the engine or the wire.
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -31,9 +33,13 @@ def _finite(param: str, value: float, what: str | None = None) -> float:
     name = what or param
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamsError(param, f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
+    try:
+        f = float(value)  # an int beyond float range raises OverflowError
+    except OverflowError:
+        raise SamplingParamsError(param, f"{name} is out of range") from None
+    if not math.isfinite(f):
         raise SamplingParamsError(param, f"{name} must be finite, got {value}")
-    return float(value)
+    return f
 
 
 def _int(
@@ -75,8 +81,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one always)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    # A constraint on the output (JSON schema, regex, choice, grammar); None: unconstrained.
+    # A plain dict (as it crosses the process boundary) is turned back into the dataclass.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -14,6 +14,7 @@ Owned by the engine loop thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -40,13 +41,16 @@ class Scheduler(LiveConfigMixin):
         event_history: int = 256,
     ) -> None:
         self.config = scheduler_config
-        # Start-up value: the live running cap may not exceed it.
-        self.max_num_seqs_limit = scheduler_config.max_num_seqs
+        # The start-up values, which bound the live ones (live_config.LIVE_SETTINGS).
+        self.startup_config = dataclasses.replace(scheduler_config)
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.waiting = WaitingQueue(scheduler_config.policy)
+        # Constrained requests whose grammar is still compiling (status WAITING, not in
+        # ``waiting``): moved to ``waiting`` by ``schedule()`` once ready, in arrival order.
+        self.compiling: list[Request] = []
         # Running sequences in service order; the last one is the next preemption victim.
         self.running: list[Request] = []
         # request_id -> its live sequences (several after a fork).
@@ -73,7 +77,12 @@ class Scheduler(LiveConfigMixin):
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing can run until a grammar compile finishes."""
+        return bool(self.compiling) and not self.running and len(self.waiting) == 0
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending_outputs)
@@ -84,7 +93,10 @@ class Scheduler(LiveConfigMixin):
         if req.request_id in self.groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.groups[req.request_id] = [req]
-        self.waiting.push(req)
+        if req.grammar is not None and req.grammar.matcher is None:
+            self.compiling.append(req)
+        else:
+            self.waiting.push(req)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish every sequence of ``request_id`` with "abort", freeing its blocks."""
@@ -102,7 +114,10 @@ class Scheduler(LiveConfigMixin):
         if prev == RequestStatus.RUNNING:
             self.running.remove(req)
         elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.discard(req)
+            if req.grammar is not None and req in self.compiling:
+                self.compiling.remove(req)
+            else:
+                self.waiting.discard(req)
         self.kv.free(req)
         self._release(req)
         if emit:
@@ -128,14 +143,41 @@ class Scheduler(LiveConfigMixin):
             req.finish_reason,
             req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             **kw,
         )
 
     # -- scheduling ---------------------------------------------------------------------
 
+    def _promote_compiled(self) -> None:
+        """Move requests whose grammar is ready into the waiting queue (or fail them)."""
+        still: list[Request] = []
+        c = self.counters
+        for req in self.compiling:
+            g = req.grammar
+            if not g.ready:
+                still.append(req)
+                continue
+            seconds = g.activate()
+            if g.error is not None:
+                req.error = f"structured_outputs: {g.error}"
+                req.status = RequestStatus.FINISHED_ERROR
+                self.kv.free(req)
+                self._release(req)
+                self._pending_outputs.append(self._output(req, []))
+                continue
+            if seconds is None:
+                c.grammar_cache_hits += 1
+            else:
+                c.grammar_compiles += 1
+                c.grammar_compile_seconds += seconds
+            self.waiting.push(req)
+        self.compiling = still
+
     def schedule(self) -> SchedulerOutput:
+        if self.compiling:
+            self._promote_compiled()
         cfg = self.config
         kv = self.kv
         budget = cfg.max_num_batched_tokens
@@ -241,8 +283,8 @@ class Scheduler(LiveConfigMixin):
             if not kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.pop()
-            first_admission = req.num_cached_tokens < 0
-            if first_admission:
+            if not req.admitted:
+                req.admitted = True
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_queries += (
                     req.num_prompt_tokens if kv.enable_prefix_caching else 0
@@ -311,15 +353,7 @@ class Scheduler(LiveConfigMixin):
         group = self.groups[parent.request_id]
         pos = self.running.index(parent) + 1
         for i in range(1, n):
-            child = Request.__new__(Request)
-            for slot in Request.__slots__:
-                setattr(child, slot, getattr(parent, slot))
-            child.index = i
-            child.seq_id = f"{parent.request_id}#{i}"
-            child.all_token_ids = list(parent.all_token_ids)
-            child.blocks = []
-            child.block_ids = []
-            child.pending_forks = 1
+            child = parent.fork(i)
             self.kv.fork(parent, child)
             group.append(child)
             self.running.insert(pos, child)
@@ -372,10 +406,23 @@ class Scheduler(LiveConfigMixin):
             num_generated += 1
             ntok = len(tokens)
             finish_reason = None
+            g = req.grammar
+            if g is not None and not g.accept(tok):
+                # Never for a token drawn under the grammar's mask; fail, do not corrupt.
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = f"structured_outputs: token {tok} does not fit the grammar"
+                finished.append(req)
+                outputs.append(self._output(req, [tok]))
+                continue
             if tok in req.stop_ids and ntok >= req.min_num_tokens:
                 req.status = RequestStatus.FINISHED_STOPPED
                 if tok in req.sampling_params.stop_token_ids:
                     req.stop_reason = tok
+                finished.append(req)
+                finish_reason = "stop"
+            elif g is not None and g.terminated:
+                # The grammar is complete (its stop token accepted, e.g. with ignore_eos).
+                req.status = RequestStatus.FINISHED_STOPPED
                 finished.append(req)
                 finish_reason = "stop"
             elif ntok >= req.max_num_tokens:
@@ -402,7 +449,7 @@ class Scheduler(LiveConfigMixin):
                         None,
                         None,
                         req.num_prompt_tokens,
-                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                        req.num_cached_tokens,
                     )
                 )
         if finished:

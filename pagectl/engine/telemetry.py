@@ -26,7 +26,7 @@ class BlockMap(msgspec.Struct):
     hashed: bytes
 
 
-class RequestRow(msgspec.Struct):
+class RequestRow(msgspec.Struct, gc=False):
     """One sequence known to the scheduler (waiting or running)."""
 
     request_id: str
@@ -39,7 +39,7 @@ class RequestRow(msgspec.Struct):
     num_output_tokens: int
     # Tokens whose K/V are in the sequence's blocks.
     num_computed_tokens: int
-    # Prompt tokens served by the prefix cache at admission (-1: not admitted yet).
+    # Prompt tokens served by the prefix cache at first admission (0 until ``admitted``).
     num_cached_tokens: int
     # Blocks in the sequence's block table, and how many of them others hold too.
     num_blocks: int
@@ -49,6 +49,8 @@ class RequestRow(msgspec.Struct):
     age_s: float
     # The block table, uint32 little-endian block ids in token order.
     block_ids: bytes
+    # Whether the scheduler has admitted the sequence once (its prefix was looked up).
+    admitted: bool = True
 
 
 class Counters(msgspec.Struct):
@@ -74,6 +76,11 @@ class Counters(msgspec.Struct):
     rejected: int = 0
     # Cached blocks handed out again (prefix cache evictions).
     evictions: int = 0
+    # Structured outputs: grammars compiled (and their total seconds), and constrained
+    # requests served by the compiled-grammar cache.
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
 
 
 class StepStat(msgspec.Struct, array_like=True):
@@ -118,6 +125,17 @@ class ModelInfo(msgspec.Struct):
     kv_bytes_per_block: int = 0
     kv_bytes_per_rank: int = 0
     max_model_len: int = 0
+    # The attention backend the engine runs ("torch", "cpu-kernel", "triton", "flash"), and
+    # the KV cache's dtype; "" when unknown.
+    attention_backend: str = ""
+    kv_cache_dtype: str = ""
+    # Decode batch sizes captured as CUDA graphs (0: eager), what capturing took and holds.
+    cuda_graph_max_batch: int = 0
+    cuda_graph_capture_s: float = 0.0
+    cuda_graph_bytes: int = 0
+    # CUDA, KV pool sized from memory: total_bytes, gpu_memory_utilization,
+    # used_after_load_bytes, peak_activation_bytes, profiled_tokens, kv_budget_bytes.
+    memory_profile: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class TelemetrySnapshot(msgspec.Struct):
@@ -150,6 +168,41 @@ class TelemetrySnapshot(msgspec.Struct):
     steps: list[StepStat]
     # The most recent events (a reader dedups by event_id).
     events: list[Event]
+
+
+class Heartbeat(msgspec.Struct, array_like=True):
+    """Liveness between snapshots, sent on the telemetry socket by the publisher thread when
+    no snapshot went out for a while: the engine is alive, and maybe busy in one long step.
+
+    Encoded as a msgpack **array** (a snapshot is a map), so a reader tells the two apart by
+    the first byte (``is_heartbeat``) without decoding a snapshot.
+    """
+
+    # Always "hb" (a reader may check it).
+    kind: str
+    # time.time() when sent, and ``TelemetrySnapshot.seq`` of the newest snapshot published.
+    time: float
+    last_seq: int
+    # Seconds the engine has been inside the current step (0.0: between steps, idle).
+    busy_s: float
+    # The step in progress (0 when idle): the next ``StepStat.step_id``.
+    step_id: int = 0
+
+
+def is_heartbeat(frame: bytes) -> bool:
+    """A msgpack array (fixarray 0x90-0x9f, array16 0xdc, array32 0xdd) is a ``Heartbeat``."""
+    return bool(frame) and (0x90 <= frame[0] <= 0x9F or frame[0] in (0xDC, 0xDD))
+
+
+_heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
+
+
+def encode_heartbeat(hb: Heartbeat) -> bytes:
+    return msgspec.msgpack.encode(hb)
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    return _heartbeat_decoder.decode(data)
 
 
 def encode_snapshot(snap: TelemetrySnapshot) -> bytes:

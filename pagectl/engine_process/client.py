@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,6 +22,7 @@ import zmq.asyncio
 
 from pagectl.engine.outputs import EngineCoreOutput, EngineRequest
 from pagectl.engine_process import wire
+from pagectl.engine_process.frames import MAX_OUTPUT_FRAME_BYTES, FrameError, decode_frame
 from pagectl.engine_process.main import EngineProcConfig
 
 # How often the engine process is polled for an unexpected exit.
@@ -103,6 +105,10 @@ class EngineClientProtocol(Protocol):
         ...
 
 
+class ServerStoppingError(EngineError):
+    """The daemon is stopping now (a second SIGTERM): in-flight requests end with this."""
+
+
 class OutputRouter:
     """Routes engine outputs to the queue of the HTTP request that owns them.
 
@@ -138,6 +144,10 @@ class OutputRouter:
             self._unstarted.discard(request_id)
             q.put_nowait(item)
 
+    def fail_all(self, err: EngineError) -> None:
+        """End every routed request with ``err`` (their handlers answer and release)."""
+        self._fail_all(err)
+
     def _fail_all(self, err: EngineError) -> None:
         # One error per HTTP request, even when it owns several engine requests.
         for q in {id(q): q for q in self._routes.values()}.values():
@@ -168,6 +178,9 @@ class EngineClient(OutputRouter):
         self.stats: wire.EngineStats | None = None
         # Why the engine is dead, or None while it lives.
         self.dead: str | None = None
+        # time.monotonic() of the last frame from the engine (stats arrive at the telemetry
+        # rate between steps): /health reports a stalled engine from it.
+        self.last_heard = 0.0
         self.on_dead: list[Callable[[str], None]] = []
         self._closing = False
         self._tasks: list[asyncio.Task] = []
@@ -208,6 +221,7 @@ class EngineClient(OutputRouter):
                 msg = wire.decode_from_engine(await self._pull.recv())
                 if isinstance(msg, wire.EngineReady):
                     self.ready = msg
+                    self.last_heard = time.monotonic()
                     break
                 if isinstance(msg, wire.EngineStartFailed):
                     await self._reap(5.0)
@@ -262,10 +276,13 @@ class EngineClient(OutputRouter):
     # -- requests -----------------------------------------------------------------------
 
     def _send(self, msg: msgspec.Struct) -> None:
+        self._send_frame(wire.encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         if self._push is None:
             raise EngineDeadError("the engine is not running")
         try:
-            self._push.send(wire.encode(msg), zmq.NOBLOCK)
+            self._push.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"the engine is not reachable: {e}") from None
 
@@ -280,10 +297,14 @@ class EngineClient(OutputRouter):
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         rid = request.request_id
+        try:  # encoded before it is routed: a value msgpack cannot carry leaves no route
+            frame = wire.encode(wire.SubmitRequest(request))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise RequestRejected(f"the request cannot be sent to the engine: {e}") from None
         self._add_route(rid, queue)
         try:
-            self._send(wire.SubmitRequest(request))
-        except EngineDeadError:
+            self._send_frame(frame)
+        except BaseException:
             self.release([rid])
             raise
 
@@ -312,9 +333,10 @@ class EngineClient(OutputRouter):
         deliver = self._deliver
         while True:
             frame = await self._pull.recv()
+            self.last_heard = time.monotonic()
             try:
-                msg = wire.decode_from_engine(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                msg = decode_frame(wire.from_engine_decoder, frame, MAX_OUTPUT_FRAME_BYTES)
+            except FrameError:
                 continue
             if isinstance(msg, wire.OutputBatch):
                 for out in msg.outputs:

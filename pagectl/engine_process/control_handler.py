@@ -15,6 +15,13 @@ import msgspec
 from pagectl.control.protocol import PROTOCOL_VERSION, ControlReply, ErrorInfo, encode
 from pagectl.engine.commands import Command, CommandError
 from pagectl.engine.core import EngineCore
+from pagectl.engine_process.audit import AUDITED_COMMANDS, AuditLog, who
+from pagectl.engine_process.frames import (
+    MAX_CONTROL_FRAME_BYTES,
+    FrameError,
+    control_request_id,
+    decode_frame,
+)
 
 _command_decoder = msgspec.msgpack.Decoder(Command)
 # The values of the "cmd" tag the daemon understands.
@@ -30,6 +37,8 @@ class _Envelope(msgspec.Struct, kw_only=True):
     client: str = ""
     command: msgspec.Raw
     version: int = PROTOCOL_VERSION
+    uid: int | None = None
+    pid: int | None = None
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
@@ -39,31 +48,44 @@ def _error(req_id: int, kind: str, message: str) -> bytes:
     return encode(ControlReply(id=req_id, ok=False, error=ErrorInfo(kind, message)))
 
 
+class _CommandName(msgspec.Struct):
+    """Only the tag of a command that did not decode."""
+
+    cmd: str
+
+
+_command_name_decoder = msgspec.msgpack.Decoder(_CommandName)
+
+
 def _command_name(raw: msgspec.Raw) -> str | None:
     try:
-        obj = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+        return decode_frame(_command_name_decoder, raw, MAX_CONTROL_FRAME_BYTES).cmd
+    except FrameError:
         return None
-    name = obj.get("cmd") if isinstance(obj, dict) else None
-    return name if isinstance(name, str) else None
 
 
-def _guess_id(frame: bytes) -> int:
-    """The request id of a malformed request, when it can be read at all (else 0)."""
+def handle_control(
+    core: EngineCore,
+    token: str,
+    frame: bytes,
+    *,
+    peer_address: str | None = None,
+    audit: AuditLog | None = None,
+) -> tuple[bytes, bool]:
+    """Serve one request frame. Returns (reply frame, whether engine state may have changed).
+
+    Every decode is bounded (``frames.decode_frame``): a frame that is too big, malformed or
+    nested too deeply gets a ``bad_request`` reply carrying its id when the id can be read.
+    ``peer_address`` is libzmq's ``Peer-Address`` of the frame (uid and pid of an ipc peer);
+    every authorized command that can change the engine is appended to ``audit``, accepted
+    or refused (``pagectl.engine_process.audit``).
+    """
     try:
-        obj = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return 0
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
-
-
-def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, bool]:
-    """Serve one request frame. Returns (reply frame, whether engine state may have changed)."""
-    try:
-        env = _envelope_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return _error(_guess_id(frame), "bad_request", f"malformed control request: {e}"), False
+        env = decode_frame(_envelope_decoder, frame, MAX_CONTROL_FRAME_BYTES)
+    except FrameError as e:
+        return _error(
+            control_request_id(frame), "bad_request", f"malformed control request: {e}"
+        ), False
     if not hmac.compare_digest(env.token.encode(), token.encode()):
         return _error(env.id, "unauthorized", "wrong or missing control token"), False
     if env.version != PROTOCOL_VERSION:
@@ -73,8 +95,8 @@ def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, b
             f"protocol version {env.version} is not supported (daemon speaks {PROTOCOL_VERSION})",
         ), False
     try:
-        cmd = _command_decoder.decode(env.command)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        cmd = decode_frame(_command_decoder, env.command, MAX_CONTROL_FRAME_BYTES)
+    except FrameError as e:
         name = _command_name(env.command)
         if name is not None and name not in COMMAND_NAMES:
             known = ", ".join(sorted(COMMAND_NAMES))
@@ -82,12 +104,23 @@ def handle_control(core: EngineCore, token: str, frame: bytes) -> tuple[bytes, b
                 env.id, "unknown_command", f"unknown command {name!r}; known: {known}"
             ), False
         return _error(env.id, "bad_request", f"invalid command: {e}"), False
+    sender = who(env.client, peer_address, env.uid, env.pid)
+    audited = audit is not None and type(cmd).__struct_config__.tag in AUDITED_COMMANDS
     try:
-        result = core.apply_command(cmd, env.client)
-    except CommandError as e:
-        return _error(env.id, e.kind, e.message), False
-    except Exception as e:  # a bug in one command must not take the engine down
-        return _error(env.id, "internal", f"{type(e).__name__}: {e}"), False
+        result = core.apply_command(cmd, sender.label())
+    except Exception as e:
+        kind, message = (
+            (e.kind, e.message)
+            if isinstance(e, CommandError)
+            else ("internal", f"{type(e).__name__}: {e}")  # a bug must not stop the engine
+        )
+        if audited:
+            assert audit is not None
+            audit.record(sender, cmd, kind, message=message)
+        return _error(env.id, kind, message), False
+    if audited:
+        assert audit is not None
+        audit.record(sender, cmd, "ok", result=result)
     try:
         reply = encode(ControlReply(id=env.id, ok=True, result=result))
     except (TypeError, msgspec.EncodeError) as e:

@@ -5,10 +5,15 @@ control requests, run one ``EngineCore.step()`` when there is work, and publish 
 when due. Control commands are therefore applied between steps, never inside one.
 
 Invariants:
-- Nothing a client or the API server sends can raise out of the loop: a bad request fails
-  alone (``RequestFailed``), a bad control request gets an error reply.
-- Publishing never blocks: PUB drops when its small high-water mark is reached, and every
-  send uses NOBLOCK. A slow or dead console cannot slow the engine.
+- Nothing a client or the API server sends can raise out of the loop: every frame is
+  decoded with a size bound and a typed decoder (``frames.decode_frame``); a bad request
+  fails alone (``RequestFailed``), a bad control request gets an error reply, and an
+  unexpected exception while handling one message is logged with its traceback and costs
+  that message only. Only an ``AssertionError`` (an engine invariant that broke) is fatal.
+- Publishing never blocks: the loop hands encoded snapshots to the publisher thread
+  (``publisher.py``), which owns the PUB socket, sends with NOBLOCK (PUB drops at its small
+  high-water mark) and sends heartbeats while a step runs long. A slow or dead console
+  cannot slow the engine, and a long step does not look like a dead daemon.
 - An exception inside ``step()`` is fatal: the engine reports ``dead`` (to the API server
   and in a last snapshot) and the loop returns non-zero. So is a failed health check of the
   model executor (``executor.check_health()``, when it has one: a tensor-parallel worker that
@@ -18,10 +23,11 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
-import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,8 +35,18 @@ import zmq
 from pagectl.engine.core import EngineCore
 from pagectl.engine.telemetry import TelemetrySnapshot, encode_snapshot
 from pagectl.engine_process import wire
+from pagectl.engine_process.audit import AuditLog
 from pagectl.engine_process.control_handler import handle_control
+from pagectl.engine_process.frames import (
+    MAX_INPUT_FRAME_BYTES,
+    FrameError,
+    decode_frame,
+    submit_request_id,
+)
 from pagectl.engine_process.kv_events import KVEventPublisher
+from pagectl.engine_process.publisher import TelemetryPublisher
+
+log = logging.getLogger("pagectl.engine")
 
 # At most this many messages of each kind are taken per turn, so a flood of requests or
 # control messages cannot starve the step.
@@ -81,6 +97,7 @@ class EngineLoop:
         stop_event: set by another thread (parent death) to make the loop return.
         kv_events: the KV-event publisher (``--kv-events-config``), or None. The step's
             events are handed to it once per turn, after the step and the control commands.
+        audit: where control commands are recorded (None: nowhere).
     """
 
     def __init__(
@@ -95,8 +112,11 @@ class EngineLoop:
         telemetry_interval: float = 0.1,
         stop_event: threading.Event | None = None,
         kv_events: KVEventPublisher | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         self.core = core
+        self.audit = audit
+        self.publisher = TelemetryPublisher(pub_sock) if pub_sock is not None else None
         self.input_sock = input_sock
         self.output_sock = output_sock
         self.pub_sock = pub_sock
@@ -121,9 +141,8 @@ class EngineLoop:
 
     def publish(self) -> None:
         snap = self.core.snapshot()
-        if self.pub_sock is not None:
-            with contextlib.suppress(zmq.Again):
-                self.pub_sock.send(encode_snapshot(snap), zmq.NOBLOCK)
+        if self.publisher is not None:
+            self.publisher.publish(encode_snapshot(snap), snap.seq)
         stats = engine_stats(snap)
         if self.kv_events is not None:
             stats.kv_events_published = self.kv_events.num_published
@@ -135,14 +154,22 @@ class EngineLoop:
 
     def _handle_input(self, frame: bytes) -> None:
         try:
-            msg = wire.decode_to_engine(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # only our own API server writes here; a garbled frame is dropped
+            msg = decode_frame(wire.to_engine_decoder, frame, MAX_INPUT_FRAME_BYTES)
+        except FrameError as e:
+            # Only our own API server writes here, so this is a bug or a foreign writer:
+            # logged, answered when it names a request, never raised into the loop.
+            rid = submit_request_id(frame)
+            log.warning("dropped a malformed input frame (%d bytes): %s", len(frame), e)
+            if rid is not None:
+                self._send(wire.RequestFailed(rid, f"malformed request frame: {e}"))
+            return
         core = self.core
         if isinstance(msg, wire.SubmitRequest):
             rid = msg.request.request_id
             try:
                 core.add_engine_request(msg.request)
+            except AssertionError:
+                raise  # an invariant of the engine broke: fatal (see run)
             except Exception as e:  # any refusal fails this request only
                 self._send(wire.RequestFailed(rid, str(e) or type(e).__name__))
         elif isinstance(msg, wire.AbortRequests):
@@ -156,13 +183,24 @@ class EngineLoop:
         elif isinstance(msg, wire.Shutdown):
             self._shutdown = True
 
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """Run the handling of one message; an unexpected exception is logged with its
+        traceback and costs that message only. ``AssertionError`` (an engine invariant that
+        broke) propagates: the loop dies on it."""
+        try:
+            fn(*args)
+        except AssertionError:
+            raise
+        except Exception:
+            log.exception("handling %s failed; the engine goes on", what)
+
     def _drain_inputs(self) -> None:
         for _ in range(_MAX_MESSAGES_PER_TURN):
             try:
                 frame = self.input_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle_input(frame)
+            self._guarded("an input message", self._handle_input, frame)
             if self._shutdown:
                 return
 
@@ -172,24 +210,46 @@ class EngineLoop:
             return
         for _ in range(_MAX_MESSAGES_PER_TURN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 continue  # a DEALER sends exactly one frame; ROUTER adds the identity
-            ident, frame = frames
-            reply, changed = handle_control(self.core, self.token, frame)
-            # A client that left, or whose queue is full, loses its reply.
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart([ident, reply], zmq.NOBLOCK)
-            if changed:
-                self._next_publish = 0.0  # consoles see the change at once
+            self._guarded("a control request", self._control_one, sock, *frames)
+
+    def _control_one(self, sock: zmq.Socket, ident: zmq.Frame, frame: zmq.Frame) -> None:
+        try:  # ipc: "host:uid:gid:pid" from the kernel's peer credentials
+            peer = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            peer = None
+        reply, changed = handle_control(
+            self.core,
+            self.token,
+            frame.bytes,
+            peer_address=peer if isinstance(peer, str) else None,
+            audit=self.audit,
+        )
+        # A client that left, or whose queue is full, loses its reply.
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart([ident.bytes, reply], zmq.NOBLOCK)
+        if changed:
+            self._next_publish = 0.0  # consoles see the change at once
 
     # -- the loop -----------------------------------------------------------------------
 
     def run(self) -> int:
         """Loop until Shutdown (returns 0), parent death (0) or a fatal step error (1)."""
+        if self.publisher is not None:
+            self.publisher.start()
+        try:
+            return self._run()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _run(self) -> int:
         core = self.core
+        publisher = self.publisher
         check_health = getattr(getattr(core, "executor", None), "check_health", None)
         while not self._shutdown and not self.stop_event.is_set():
             if check_health is not None:
@@ -203,16 +263,24 @@ class EngineLoop:
             if not core.has_unfinished():
                 wait = self._next_publish - time.monotonic()
                 timeout_ms = math.ceil(min(max(wait, 0.0), 0.1) * 1000)
-            if self.poller.poll(timeout_ms):
-                self._drain_inputs()
-                self._serve_control()
+            try:
+                if self.poller.poll(timeout_ms):
+                    self._drain_inputs()
+                    self._serve_control()
+            except AssertionError as e:  # an engine invariant broke: fatal
+                return self._die(e, "engine invariant failed")
             if self._shutdown:
                 break
             if core.has_unfinished():
+                if publisher is not None:
+                    publisher.step_started(core.counters.steps + 1)
                 try:
                     outputs = core.step()
                 except Exception as e:  # fatal: report and stop
                     return self._die(e)
+                finally:
+                    if publisher is not None:
+                        publisher.step_finished()
                 if outputs:
                     self._send(wire.OutputBatch(outputs))
                 if not core.has_unfinished():
@@ -222,12 +290,15 @@ class EngineLoop:
                 if events:
                     self.kv_events.publish(events)
             if time.monotonic() >= self._next_publish:
-                self.publish()
+                try:
+                    self.publish()
+                except Exception as e:  # a snapshot that cannot be built is an engine bug
+                    return self._die(e, "telemetry failed")
         return 0
 
     def _die(self, exc: BaseException, what: str = "engine step failed") -> int:
         message = f"{what}: {type(exc).__name__}: {exc}"
-        traceback.print_exc()
+        log.error("%s", message, exc_info=exc)
         self.core.state_override = "dead"
         self.core.add_event("error", message)
         with contextlib.suppress(Exception):  # best effort while dying

@@ -22,11 +22,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import zmq
 
+from pagectl.control import ipc
 from pagectl.control.runtime import read_token
+from pagectl.engine.args import EngineArgs
 from pagectl.engine_process import wire
+from pagectl.engine_process.frames import (
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_INPUT_FRAME_BYTES,
+    limit_socket,
+)
 
 if TYPE_CHECKING:
     from pagectl.engine.core import EngineCore
+from pagectl.engine_process.audit import AuditLog
 
 _ORPHAN_GRACE_S = 5.0
 # Small on purpose: a console that falls behind loses snapshots, the engine never waits.
@@ -59,8 +67,8 @@ class Built(Protocol):
 class EngineProcConfig(msgspec.Struct, kw_only=True):
     """What the daemon tells its engine process (JSON, one line on stdin)."""
 
-    # ``EngineArgs`` fields.
-    engine_args: dict[str, Any]
+    # The engine's start-up options (validated again when decoded).
+    engine_args: EngineArgs
     # "module:function" building the engine from EngineArgs instead of
     # ``pagectl.engine.builder.build_engine`` (tests use it for fault injection).
     engine_factory: str | None = None
@@ -71,6 +79,8 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     telemetry_endpoint: str
     control_endpoint: str
     token_file: str
+    # The append-only JSON-lines audit file of control commands ("" keeps none).
+    audit_file: str = ""
     telemetry_hz: float = 10.0
     # ``--kv-events-config`` (vLLM's KVEventsConfig fields, checked by the daemon), or None.
     kv_events_config: dict[str, Any] | None = None
@@ -108,12 +118,13 @@ def _load_factory(spec: str | None):
     return getattr(importlib.import_module(module), name)
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket file of a crashed daemon with our pid
+def _bind(sock: zmq.Socket, endpoint: str, claims: list[ipc.IpcClaim]) -> str:
+    """Bind; an ipc:// path must be free or hold a dead socket of ours (``control.ipc``)."""
+    ipc.claim(endpoint)
     sock.bind(endpoint)
+    c = ipc.bound(endpoint)
+    if c is not None:
+        claims.append(c)  # removed at exit if still ours
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     return bound.decode() if isinstance(bound, bytes) else str(bound)
 
@@ -147,7 +158,6 @@ def engine_ready(
 
 
 def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
-    from pagectl.engine.args import EngineArgs
     from pagectl.engine_process.loop import EngineLoop, send_until_stopped
 
     ctx = zmq.Context()
@@ -155,7 +165,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     out.setsockopt(zmq.SNDTIMEO, 500)
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(cfg.output_endpoint)
-    inp = ctx.socket(zmq.PULL)
+    inp = limit_socket(ctx.socket(zmq.PULL), MAX_INPUT_FRAME_BYTES)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(cfg.input_endpoint)
 
@@ -165,20 +175,22 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
     built = None
     pub = router = None
     kv_pub = None
+    claims: list[ipc.IpcClaim] = []
     try:
         try:
             token = read_token(cfg.token_file)
             if not token:
                 raise RuntimeError(f"cannot read the control token from {cfg.token_file}")
-            args = EngineArgs(**cfg.engine_args)
+            args = cfg.engine_args
             built = _load_factory(cfg.engine_factory)(args)
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
             pub.setsockopt(zmq.LINGER, 0)
-            telemetry_ep = _bind(pub, cfg.telemetry_endpoint)
-            router = ctx.socket(zmq.ROUTER)
+            telemetry_ep = _bind(pub, cfg.telemetry_endpoint, claims)
+            # Admin frames past the limit disconnect their sender (libzmq drops them).
+            router = limit_socket(ctx.socket(zmq.ROUTER), MAX_CONTROL_FRAME_BYTES)
             router.setsockopt(zmq.LINGER, 0)
-            control_ep = _bind(router, cfg.control_endpoint)
+            control_ep = _bind(router, cfg.control_endpoint, claims)
             if cfg.kv_events_config is not None:
                 from pagectl.engine_process.kv_events import KVEventPublisher, KVEventsConfig
 
@@ -207,6 +219,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             telemetry_interval=1.0 / cfg.telemetry_hz,
             stop_event=stop,
             kv_events=kv_pub,
+            audit=AuditLog(cfg.audit_file) if cfg.audit_file else None,
         )
         return loop.run()
     finally:
@@ -220,6 +233,8 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
         for s in (pub, router, inp):
             if s is not None:
                 s.close(linger=0)
+        for c in claims:
+            ipc.release(c)
         # Flush the last messages to a live parent; drop them for a dead one.
         out.close(linger=0 if stop.is_set() else 2000)
         ctx.term()

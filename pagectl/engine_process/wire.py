@@ -129,8 +129,8 @@ FromEngine = (
     EngineReady | EngineStartFailed | OutputBatch | RequestFailed | EngineStats | EngineDead
 )
 
-_to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
-_from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -139,8 +139,8 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode_to_engine(frame: bytes) -> ToEngine:
-    return _to_engine_decoder.decode(frame)
+    return to_engine_decoder.decode(frame)
 
 
 def decode_from_engine(frame: bytes) -> FromEngine:
-    return _from_engine_decoder.decode(frame)
+    return from_engine_decoder.decode(frame)

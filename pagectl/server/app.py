@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pagectl.engine_process.client import EngineClientProtocol
 from pagectl.server import routes
+from pagectl.server.admission import register_admission_gauges
 from pagectl.server.body import too_large
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
@@ -48,11 +49,42 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """CORS for --allowed-origins: preflight answered here, the origin echoed on responses."""
+    allowed = request.app[STATE].settings.allowed_origins
+    origin = request.headers.get("Origin")
+    if not allowed or origin is None or ("*" not in allowed and origin not in allowed):
+        return await handler(request)
+    cors = {
+        "Access-Control-Allow-Origin": "*" if "*" in allowed else origin,
+        "Vary": "Origin",
+    }
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        cors.update(
+            {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", "Authorization, Content-Type"
+                ),
+                "Access-Control-Max-Age": "600",
+            }
+        )
+        return web.Response(status=204, headers=cors)
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers.update(cors)
+    return resp
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """With API keys set, every path outside the allow-list needs ``Authorization: Bearer``."""
     settings = request.app[STATE].settings
     if settings.api_keys and request.path not in settings.auth_allow:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if "x-api-key" in request.headers and not given:
+            # Anthropic's clients send the key in x-api-key.
+            scheme, given = "bearer", request.headers["x-api-key"]
         given_b = given.strip().encode()
         # Compare against every key, whatever matches: timing says nothing about which.
         ok = False
@@ -73,6 +105,16 @@ def _same_path(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters (0: no tokenizer or no vocabulary)."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without get_vocab: no context pre-check
+        return 0
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -109,7 +151,15 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state.ready = ready
     name = state.settings.served_model_name or ready.model_name
     state.facts = ModelFacts(
-        name, ready.vocab_size, ready.max_model_len, tokenizer, dict(ready.sampling_defaults)
+        name,
+        ready.vocab_size,
+        ready.max_model_len,
+        tokenizer,
+        dict(ready.sampling_defaults),
+        max_prompt_bytes=state.settings.max_prompt_bytes,
+        max_chars_per_token=await loop.run_in_executor(None, max_chars_per_token, tokenizer),
+        chat=state.settings.chat,
+        aliases=tuple(a for a in state.settings.served_model_aliases if a != name),
     )
     state.token_text = TokenText(tokenizer)
     info = ready.model_info
@@ -135,17 +185,20 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        state.offload.shutdown()
         await state.engine.shutdown()
 
 
 def create_app(settings: ServerSettings, engine: EngineClientProtocol) -> web.Application:
     """The OpenAI-compatible application around ``engine`` (started by the app's cleanup_ctx)."""
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=settings.max_body_size
+        middlewares=[cors_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_size,
     )
     state = ServerState(settings, engine, Metrics(lambda: engine.stats))
     state.idle.set()
     app[STATE] = state
+    register_admission_gauges(state.metrics.registry, state)
     app.cleanup_ctx.append(_engine_ctx)
     routes.add_routes(app)
     return app

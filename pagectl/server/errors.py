@@ -40,7 +40,10 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        resp = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.headers and self.headers.get("Connection") == "close":
+            resp.force_close()  # e.g. a body that timed out: the connection is unusable
+        return resp
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -20,7 +20,10 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagectl.engine.scheduler import PREEMPT_KV_BLOCKS
 from pagectl.engine_process.wire import EngineStats
+
+PREEMPTION_REASONS = (PREEMPT_KV_BLOCKS,)
 
 # No ``*_created`` series: they double the output and no dashboard here reads them.
 disable_created_metrics()
@@ -131,7 +134,10 @@ class _EngineCollector:
         pre = CounterMetricFamily(
             "pagectl:num_preemptions", "Preemptions by reason.", labels=["reason"]
         )
-        for reason, value in sorted(c.preemptions_by_reason.items()):
+        # Every known reason from the start (0), so rate() works before the first one.
+        by_reason = {reason: 0 for reason in PREEMPTION_REASONS}
+        by_reason.update(c.preemptions_by_reason)
+        for reason, value in sorted(by_reason.items()):
             pre.add_metric([reason], value)
         yield pre
         yield _counter(
@@ -140,6 +146,21 @@ class _EngineCollector:
             c.prompt_tokens,
         )
         yield _counter("pagectl:generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield _counter(
+            "pagectl:structured_outputs_compiles",
+            "Grammars compiled for structured outputs (cache misses).",
+            c.grammar_compiles,
+        )
+        yield _counter(
+            "pagectl:structured_outputs_compile_seconds",
+            "Seconds spent compiling grammars (on the compile thread, off the engine step).",
+            c.grammar_compile_seconds,
+        )
+        yield _counter(
+            "pagectl:structured_outputs_cache_hits",
+            "Constrained requests served by the compiled-grammar cache.",
+            c.grammar_cache_hits,
+        )
         yield _counter(
             "pagectl:kv_events_published",
             "KV-event batches sent (--kv-events-config).",

@@ -8,6 +8,7 @@ plain HTTP error. An error after the stream started is sent as an ``{"error": ..
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from typing import Any
@@ -15,11 +16,19 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pagectl.engine_process.client import EngineDeadError, EngineError, RequestRejected
+from pagectl.engine_process.client import (
+    EngineDeadError,
+    EngineError,
+    RequestRejected,
+    ServerStoppingError,
+)
+from pagectl.server.admission import admitted
 from pagectl.server.body import read_body
+from pagectl.server.chat_output import ChatOutput, ChoiceStream
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import (
     chat_logprobs,
+    clamp,
     completion_logprobs,
     send_done,
     send_event,
@@ -27,6 +36,7 @@ from pagectl.server.formatting import (
 )
 from pagectl.server.serving import EngineRequestError, Generation, Update
 from pagectl.server.state import STATE, ServerState
+from pagectl.server.structured import check_grammar
 from pagectl.server.validation import GenerationSpec, parse_chat, parse_completion
 
 _json = msgspec.json.Encoder()
@@ -37,6 +47,8 @@ def _api_error(e: EngineError) -> APIError:
         # Refused by the engine's own checks, or unable to run at all (e.g. it needs more KV
         # blocks than the pool has): a problem of this request, not of the server.
         return APIError(400, str(e))
+    if isinstance(e, ServerStoppingError):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", code="engine_dead")
     return APIError(500, str(e), code="engine_error")
@@ -134,15 +146,34 @@ class _CompletionFormat(_Format):
                 ids += c.token_ids
                 lps += c.logprobs
                 lp = completion_logprobs(ids, lps, tt, 0)
-            out.append(
-                {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
+            choice = {
+                "index": c.index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.spec.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
+            out.append(choice)
+        return out
+
+    def _prompt_logprobs(self, c) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per token
+        {token id: {"logprob", "rank", "decoded_token"}} with the token itself and its top-k."""
+        tt = self.state.tokens
+        ids = c.run.prompt.token_ids
+        lps = c.run.prompt_logprobs
+        out: list[dict | None] = [None]
+        for tid, lp in zip(ids[1:], lps, strict=False):
+            entry = {
+                str(t): {"logprob": clamp(v), "rank": r + 1, "decoded_token": tt(t)}
+                for r, (t, v) in enumerate(lp.top)
+            }
+            entry.setdefault(
+                str(tid), {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": tt(tid)}
             )
+            out.append(entry)
         return out
 
     def opening(self) -> list[dict]:
@@ -183,22 +214,31 @@ class _ChatFormat(_Format):
     obj = "chat.completion"
     chunk_obj = "chat.completion.chunk"
 
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        chat = self.state.model.chat
+        self.output = ChatOutput(self.spec.tools, chat.tool_call_parser, chat.reasoning_parser)
+        self.streams: dict[int, ChoiceStream] = {}
+
     def _logprobs(self, ids: list[int], lps: list) -> dict | None:
         if self.spec.logprobs is None:
             return None
         return chat_logprobs(ids, lps, self.state.tokens, self.spec.logprobs)
 
     def choices(self) -> list[dict]:
-        return [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.detok.text},
-                "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self.gen.choices
-        ]
+        out = []
+        for c in self.gen.choices:
+            message, finish_reason = self.output.message(c.detok.text, c.finish_reason)
+            out.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return out
 
     def opening(self) -> list[dict]:
         return [
@@ -215,19 +255,40 @@ class _ChatFormat(_Format):
             for c in self.gen.choices
         ]
 
-    def update(self, upd: Update) -> dict:
+    def update(self, upd: Update) -> list[dict]:  # type: ignore[override]
         c = upd.choice
-        delta = {"content": upd.text} if (upd.text or not upd.finished) else {}
+        stream = self.streams.get(c.index)
+        if stream is None:
+            stream = self.streams[c.index] = self.output.stream()
+        deltas, finish_reason = stream.push(upd.text, upd.finished, c.finish_reason)
         lp = self._logprobs(upd.token_ids, upd.logprobs) if upd.logprobs else None
-        choice = {
-            "index": c.index,
-            "delta": delta,
-            "logprobs": lp,
-            "finish_reason": c.finish_reason if upd.finished else None,
-        }
-        if upd.finished:
-            choice["stop_reason"] = c.stop_reason
-        return self.chunk([choice])
+        chunks = []
+        # Plain text ends with its finish_reason on the last content delta; tool calls end
+        # with a chunk of their own, as OpenAI's do.
+        merge_finish = upd.finished and self.output.mode == "none" and bool(deltas)
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": lp if last else None,
+                "finish_reason": finish_reason if (last and merge_finish) else None,
+            }
+            if last and merge_finish:
+                choice["stop_reason"] = c.stop_reason
+            chunks.append(self.chunk([choice]))
+        if (upd.finished and not merge_finish) or not chunks:
+            choice = {
+                "index": c.index,
+                "delta": {},
+                "logprobs": lp if not chunks else None,
+                "finish_reason": finish_reason if upd.finished else None,
+            }
+            if upd.finished:
+                choice["stop_reason"] = c.stop_reason
+            if upd.finished or lp is not None:
+                chunks.append(self.chunk([choice]))
+        return chunks
 
 
 async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
@@ -239,7 +300,9 @@ async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
                 resp = await start_sse(request)
                 for chunk in fmt.opening():
                     await send_event(resp, chunk)
-            await send_event(resp, fmt.update(upd))
+            out = fmt.update(upd)
+            for chunk in out if isinstance(out, list) else [out]:
+                await send_event(resp, chunk)
     except EngineError as e:
         if resp is None:
             raise
@@ -264,7 +327,6 @@ async def _generate(
     request: web.Request, spec: GenerationSpec, fmt_cls: type[_Format]
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    state.check_admission()
     gen = Generation(
         state.engine,
         state.model.tokenizer,
@@ -273,28 +335,38 @@ async def _generate(
         state.metrics,
     )
     fmt = fmt_cls(state, spec, gen)
-    state.begin()
-    try:
-        gen.submit()
-        if spec.stream:
-            return await _stream(request, fmt)
-        await gen.run_to_end()
-        return _json_response(fmt.full())
-    except EngineError as e:
-        raise _api_error(e) from None
-    finally:
-        # Also on client disconnect (the handler is cancelled): the engine frees the blocks.
-        gen.close()
-        state.end()
+    # The slot is released, and the engine freed, whatever happens (also on disconnect).
+    with admitted(state, gen):
+        try:
+            gen.submit()
+            if spec.stream:
+                return await _stream(request, fmt)
+            await gen.run_to_end()
+            return _json_response(fmt.full())
+        except EngineError as e:
+            raise _api_error(e) from None
+
+
+async def _checked(spec: GenerationSpec) -> GenerationSpec:
+    """A constrained request's grammar is built once here, off the event loop: a constraint
+    the backend cannot use is a 400 before anything reaches the engine."""
+    if spec.constraint is not None:
+        await asyncio.to_thread(check_grammar, spec.constraint)
+    return spec
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_completion(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation tokenizes: off the event loop (server/offload.py).
+    spec = await _checked(await state.offload.run(parse_completion, body, state.model))
     return await _generate(request, spec, _CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    spec = parse_chat(body, request.app[STATE].model)
+    state = request.app[STATE]
+    # Validation renders the chat template (sandboxed, time- and size-limited) and
+    # tokenizes: off the event loop (server/offload.py).
+    spec = await _checked(await state.offload.run(parse_chat, body, state.model))
     return await _generate(request, spec, _ChatFormat)

@@ -14,13 +14,17 @@ from aiohttp import web
 
 from pagectl.engine_process import wire
 from pagectl.engine_process.client import EngineClientProtocol
+from pagectl.server.chat import ChatSettings
+from pagectl.server.connections import ConnectionLimits
 from pagectl.server.errors import APIError
 from pagectl.server.formatting import TokenText
 from pagectl.server.metrics import Metrics
+from pagectl.server.offload import Offload
 from pagectl.server.validation import ModelFacts
 
 DEFAULT_AUTH_ALLOW = ("/health", "/metrics")
 DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
+DEFAULT_MAX_PROMPT_BYTES = 2 * 1024 * 1024
 
 
 @dataclass
@@ -29,6 +33,10 @@ class ServerSettings:
 
     # Name the API reports and accepts (None: the engine's model name).
     served_model_name: str | None = None
+    # Further names the API accepts for the same model (--served-model-name A B C).
+    served_model_aliases: tuple[str, ...] = ()
+    # CORS: origins allowed to call from a browser ("*": any); empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
     # Accepted API keys (empty: no authentication).
     api_keys: list[str] = field(default_factory=list)
     # Paths reachable without a key when keys are set.
@@ -41,6 +49,17 @@ class ServerSettings:
     retry_after_s: int = 1
     # A local tokenizer directory to start loading before the engine's handshake names it.
     tokenizer_hint: str | None = None
+    # Largest text prompt in UTF-8 bytes (all of one request's prompts or messages); past
+    # it: 400, before any tokenization.
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    # Seconds without any message from the engine after which /health answers 503 (0: off).
+    # The engine reports at the telemetry rate between steps, so this must exceed the
+    # longest step.
+    health_stall_timeout: float = 30.0
+    # Timeouts and the connection cap (server/connections.py).
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Chat templates, tool-call and reasoning parsers (--chat-template and friends).
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 @dataclass
@@ -60,6 +79,8 @@ class ServerState:
     num_active: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     start_time: float = field(default_factory=time.time)
+    # Tokenization, templates, big JSON bodies: off the event loop, bounded.
+    offload: Offload = field(default_factory=Offload)
 
     # Set once the engine has started (before the server listens); handlers use these.
     @property

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagectl.engine.sampling_params import SamplingParams
-from pagectl.engine.tokenizer import apply_chat_template
+from pagectl.server import chat
+from pagectl.server.chat import ChatSettings
 from pagectl.server.errors import APIError, bad_request
+from pagectl.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pagectl.server.json_fields import get_bool, get_int, get_number, get_str, is_int
+from pagectl.server.structured import Constraint, parse_structured
+from pagectl.server.tools.request import ToolSpec, parse_tools
 
 # Most prompts in one completions request, and most messages in one chat request.
 MAX_PROMPTS = 256
-MAX_MESSAGES = 1024
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -34,6 +36,21 @@ class ModelFacts:
     # Default sampling parameters (from the model's generation_config.json): a field the
     # request leaves out takes its value from here, then from SamplingParams' own default.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Largest text prompt (UTF-8 bytes, all prompts or messages of a request together)
+    # accepted for tokenization (--max-prompt-bytes); checked before any work.
+    max_prompt_bytes: int = 2 * 1024 * 1024
+    # Most characters one token of this tokenizer stands for (its longest vocabulary entry;
+    # 0: unknown). A text longer than max_model_len * this * 4 cannot fit the context, so
+    # it is refused before it is tokenized (the 4 covers normalizers that merge characters).
+    max_chars_per_token: int = 0
+    # The daemon's chat options (templates, tool-call and reasoning parsers).
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    # Further names accepted for the model (responses report served_model_name).
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
 
 
 @dataclass
@@ -56,12 +73,18 @@ class GenerationSpec:
     logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # The structured-outputs constraint and the field it came from (None: unconstrained).
+    constraint: Constraint | None = None
+    # Chat: what the request asked of tools.
+    tools: ToolSpec | None = None
+    # Completions: top-k logprobs of each prompt token, returned per choice (None: off).
+    prompt_logprobs: int | None = None
 
 
 def check_model(body: dict, facts: ModelFacts) -> None:
     """404 for a model this daemon does not serve (a missing model means the served one)."""
     model = get_str(body, "model")
-    if model is not None and model != facts.served_model_name:
+    if model is not None and model not in facts.names:
         raise APIError(
             404,
             f"The model `{model}` does not exist. This daemon serves `{facts.served_model_name}`.",
@@ -150,16 +173,15 @@ def _build_params(kw: dict[str, Any], vocab_size: int) -> SamplingParams:
 
 def _check_unsupported(body: dict) -> None:
     if body.get("suffix"):
-        raise bad_request("suffix is not supported", "suffix")
+        raise bad_request("`suffix` is not supported by pagectl", "suffix")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
-        raise bad_request("best_of is not supported (use n)", "best_of")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(f"{name} are not supported by this server", name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request('only response_format {"type": "text"} is supported', "response_format")
+        raise bad_request("`best_of` is not supported by pagectl (use n)", "best_of")
+
+
+def _constrain(body: dict, kw: dict[str, Any], spec_constraint: Constraint | None) -> None:
+    if spec_constraint is not None:
+        kw["structured_outputs"] = spec_constraint.params
 
 
 def _common(body: dict, spec: GenerationSpec) -> None:
@@ -213,24 +235,48 @@ def _token_prompt(ids: list, facts: ModelFacts) -> Prompt:
     return Prompt(list(ids))
 
 
-def _text_prompt(text: str, facts: ModelFacts) -> Prompt:
+def text_bytes(text: str) -> int:
+    """UTF-8 size of ``text`` (cheap for ASCII)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_prompt_size(num_bytes: int, facts: ModelFacts, param: str, *, context: bool) -> None:
+    """400 before tokenization for text past --max-prompt-bytes, or (``context``) for text too
+    long to fit the model's context whatever its tokens are."""
+    if num_bytes > facts.max_prompt_bytes:
+        raise bad_request(
+            f"the prompt text is {num_bytes} bytes; this server accepts at most "
+            f"{facts.max_prompt_bytes} bytes (--max-prompt-bytes)",
+            param,
+        )
+    per_token = facts.max_chars_per_token
+    if context and per_token and num_bytes > facts.max_model_len * per_token * 4:
+        raise bad_request(
+            f"the prompt text is {num_bytes} bytes, more than {facts.max_model_len} tokens "
+            f"(this model's maximum context length) can hold",
+            param,
+        )
+
+
+def _text_prompt(text: str, facts: ModelFacts, add_special_tokens: bool = True) -> Prompt:
     if not text:
         raise bad_request("the prompt is empty", "prompt")
     tok = facts.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-    ids = list(tok.encode(text))
+    check_prompt_size(text_bytes(text), facts, "prompt", context=True)
+    ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise bad_request("the prompt is empty after tokenization", "prompt")
     return Prompt(ids, text)
 
 
-def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
+def parse_prompts(value: Any, facts: ModelFacts, add_special_tokens: bool = True) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if value is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(value, str):
-        return [_text_prompt(value, facts)]
+        return [_text_prompt(value, facts, add_special_tokens)]
     shape_error = bad_request(
         "prompt must be a string, a list of strings, a list of token ids or a list of "
         "token-id lists",
@@ -245,7 +291,8 @@ def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
     if len(value) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
     if all(isinstance(p, str) for p in value):
-        return [_text_prompt(p, facts) for p in value]
+        check_prompt_size(sum(map(text_bytes, value)), facts, "prompt", context=False)
+        return [_text_prompt(p, facts, add_special_tokens) for p in value]
     if all(isinstance(p, list) for p in value):
         return [_token_prompt(p, facts) for p in value]
     raise shape_error
@@ -256,91 +303,90 @@ def parse_prompts(value: Any, facts: ModelFacts) -> list[Prompt]:
 
 def parse_completion(body: dict, facts: ModelFacts) -> GenerationSpec:
     check_model(body, facts)
+    check_fields(body, COMPLETION_FIELDS, "completions")
     _check_unsupported(body)
-    prompts = parse_prompts(body.get("prompt"), facts)
+    constraint = parse_structured(body)
+    prompts = parse_prompts(body.get("prompt"), facts, get_bool(body, "add_special_tokens", True))
     # Completions default to 16 tokens (OpenAI's default) unless the model sets its own.
     kw = _with_defaults(_sampling_kwargs(body), get_int(body, "max_tokens"), prompts, facts, 16)
+    _constrain(body, kw, constraint)
     echo = get_bool(body, "echo")
     logprobs = get_int(body, "logprobs")
     if logprobs is not None:
         kw["logprobs"] = logprobs
         if echo:
             kw["prompt_logprobs"] = logprobs
+    prompt_logprobs = get_int(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        if get_bool(body, "stream"):
+            raise bad_request(
+                "`prompt_logprobs` with `stream` is not supported by pagectl", "prompt_logprobs"
+            )
+        if "prompt_logprobs" in kw and kw["prompt_logprobs"] != prompt_logprobs:
+            raise bad_request("with echo, prompt_logprobs must equal logprobs", "prompt_logprobs")
+        kw["prompt_logprobs"] = prompt_logprobs
     params = _build_params(kw, facts.vocab_size)
-    spec = GenerationSpec(prompts, params, echo=echo, logprobs=logprobs)
+    spec = GenerationSpec(
+        prompts,
+        params,
+        echo=echo,
+        logprobs=logprobs,
+        constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
+    )
     _common(body, spec)
     _check_context(prompts, params.max_tokens, facts, "prompt")
     return spec
 
 
-def _message_text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request(
-                    f"messages[{i}]: only text content parts are supported", "messages"
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"messages[{i}]: a text part needs a string `text`", "messages")
-            parts.append(text)
-        return "".join(parts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    return chat.parse_messages(value)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list", "messages")
-    if len(value) > MAX_MESSAGES:
-        raise bad_request(f"at most {MAX_MESSAGES} messages per request", "messages")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
-                "messages",
-            )
-        msg = {"role": role, "content": _message_text(m.get("content"), i)}
-        name = m.get("name")
-        if isinstance(name, str):
-            msg["name"] = name
-        out.append(msg)
-    return out
-
-
-def render_chat(messages: list[dict], facts: ModelFacts, body: dict) -> Prompt:
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    kwargs = dict(kwargs)
-    kwargs["add_generation_prompt"] = get_bool(body, "add_generation_prompt", True)
-    try:
-        ids = apply_chat_template(facts.tokenizer, messages, **kwargs)
-    except Exception as e:  # a template error is the request's problem
-        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    if not ids:
-        raise bad_request("the rendered prompt is empty", "messages")
+def render_chat(
+    messages: list[dict],
+    facts: ModelFacts,
+    body: dict,
+    tools: list[dict] | None = None,
+    *,
+    context: bool = True,
+) -> Prompt:
+    """The chat prompt; ``context``: also refuse text too long for the context (not for
+    /tokenize, which counts tokens of any text up to --max-prompt-bytes)."""
+    size = sum(text_bytes(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    check_prompt_size(size, facts, "messages", context=context)
+    ids, _ = chat.render_messages(messages, facts.tokenizer, body, facts.chat, tools)
     return Prompt(ids)
 
 
 def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
+    """Validate a chat request and render its prompt (the template runs here: call it from
+    a worker thread)."""
     check_model(body, facts)
+    check_fields(body, CHAT_FIELDS, "chat.completions")
     _check_unsupported(body)
+    if get_bool(body, "echo"):
+        raise bad_request("`echo` is not supported by pagectl for chat", "echo")
+    if body.get("prompt_logprobs") is not None:
+        raise bad_request("`prompt_logprobs` is not supported by pagectl", "prompt_logprobs")
+    tools = parse_tools(body, facts.chat.enable_auto_tool_choice)
+    constraint = parse_structured(body)
+    tool_constraint = tools.constraint()
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode} constrains the output already; drop {constraint.param}",
+                constraint.param,
+            )
+        constraint = Constraint(tool_constraint, "tools")
     messages = parse_messages(body.get("messages"))
-    prompt = render_chat(messages, facts, body)
+    prompt = render_chat(messages, facts, body, tools.tools if tools.tools else None)
     max_tokens = get_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens")
     # Chat defaults to the whole remaining context unless the model sets a max_tokens.
     kw = _with_defaults(_sampling_kwargs(body), max_tokens, [prompt], facts, None)
+    _constrain(body, kw, constraint)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs")
     if top is not None and not want_logprobs:
@@ -349,7 +395,7 @@ def parse_chat(body: dict, facts: ModelFacts) -> GenerationSpec:
     if logprobs is not None:
         kw["logprobs"] = logprobs
     params = _build_params(kw, facts.vocab_size)
-    spec = GenerationSpec([prompt], params, logprobs=logprobs)
+    spec = GenerationSpec([prompt], params, logprobs=logprobs, constraint=constraint, tools=tools)
     _common(body, spec)
     _check_context([prompt], params.max_tokens, facts, "messages")
     return spec

@@ -30,13 +30,22 @@ class DaemonProcess:
         runtime_dir: the runtime directory to use (a test's tmp dir).
         args: extra daemon arguments (``--model DIR`` ...).
         env: extra environment variables.
+        nofile: the daemon's RLIMIT_NOFILE (soft and hard), to test behaviour near it.
     """
 
-    def __init__(self, runtime_dir: str | os.PathLike, args: list[str], env: dict | None = None):
+    def __init__(
+        self,
+        runtime_dir: str | os.PathLike,
+        args: list[str],
+        env: dict | None = None,
+        *,
+        nofile: int | None = None,
+    ):
         self.runtime_dir = Path(runtime_dir)
         self.port = free_port()
         self.args = args
         self.env = {**os.environ, "PAGECTL_RUNTIME_DIR": str(self.runtime_dir), **(env or {})}
+        self.nofile = nofile
         self.proc: subprocess.Popen | None = None
         self.info: RuntimeInfo | None = None
 
@@ -45,8 +54,11 @@ class DaemonProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> DaemonProcess:
-        from pagectl.control.runtime import find_runtime
+        """Launch the daemon and wait until it serves."""
+        return self.launch().wait_ready(timeout)
 
+    def launch(self) -> DaemonProcess:
+        """Start the subprocess without waiting (start several, then ``wait_ready`` each)."""
         cmd = [
             sys.executable,
             "-m",
@@ -58,13 +70,28 @@ class DaemonProcess:
             str(self.runtime_dir),
             *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, env=self.env)
+        nofile = self.nofile
+
+        def limit() -> None:
+            if nofile is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(cmd, env=self.env, preexec_fn=limit if nofile else None)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> DaemonProcess:
+        """Wait until the launched daemon wrote its runtime file and answers /health."""
+        from pagectl.control.runtime import find_runtime
+
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with status {self.proc.returncode} during start")
             with contextlib.suppress(OSError):
-                info = find_runtime(self.runtime_dir)
+                info = find_runtime(self.runtime_dir / str(self.proc.pid))
                 if info.pid == self.proc.pid and self.health() == 200:
                     self.info = info
                     return self
@@ -91,9 +118,17 @@ class DaemonProcess:
             return []
 
     def ctl(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-        """Run ``pagectl ctl --runtime-dir DIR ARGV...`` and capture its output."""
+        """Run ``pagectl ctl --runtime-dir DIR --port PORT ARGV...`` (this daemon, even with
+        others in the same runtime directory) and capture its output."""
+        return self.pagectl(
+            "ctl", "--runtime-dir", str(self.runtime_dir), "--port", str(self.port), *argv,
+            timeout=timeout,
+        )  # fmt: skip
+
+    def pagectl(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+        """Run ``pagectl ARGV...`` in this daemon's environment and capture its output."""
         return subprocess.run(
-            [sys.executable, "-m", "pagectl", "ctl", "--runtime-dir", str(self.runtime_dir), *argv],
+            [sys.executable, "-m", "pagectl", *argv],
             capture_output=True,
             text=True,
             timeout=timeout,

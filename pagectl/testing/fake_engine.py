@@ -86,7 +86,7 @@ def fake_engine(args: Any) -> FakeBuiltEngine:
     tokenizer = load_tokenizer(args.model) if args.model else None
     vocab = len(tokenizer) if tokenizer is not None else 384
     max_len = args.max_model_len or 256
-    budget = args.max_num_batched_tokens or 256
+    budget = args.token_budget("cpu")
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 from textual import work
@@ -18,8 +19,15 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
+from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.verdicts import Verdict, slim, verdicts
 from pagectl.engine.commands import Command, CommandError, InspectBlock
-from pagectl.engine.telemetry import RequestRow, TelemetrySnapshot
+from pagectl.engine.telemetry import (
+    RequestRow,
+    TelemetrySnapshot,
+    decode_heartbeat,
+    is_heartbeat,
+)
 from pagectl.tui.actions import ConsoleActions
 from pagectl.tui.blockmodel import block_ids
 from pagectl.tui.connection import (
@@ -31,11 +39,14 @@ from pagectl.tui.connection import (
     STALE,
     Connection,
 )
+from pagectl.tui.daemon_choice import SelectingResolver
+from pagectl.tui.detokenize import Detokenizer
 from pagectl.tui.history import History
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
 from pagectl.tui.recording import RecordWriter
-from pagectl.tui.source import AdminSource, PlaybackControl
+from pagectl.tui.screens.picker import DaemonPicker
+from pagectl.tui.source import AdminSource, Frame, PlaybackControl
 from pagectl.tui.widgets.block_detail import BlockDetail, Inspection
 from pagectl.tui.widgets.block_map import BlockMapView
 from pagectl.tui.widgets.event_log import EventLog
@@ -44,6 +55,7 @@ from pagectl.tui.widgets.header import ConsoleHeader
 from pagectl.tui.widgets.legend import Legend
 from pagectl.tui.widgets.requests_table import RequestsTable
 from pagectl.tui.widgets.trends import Trends
+from pagectl.tui.widgets.verdict_bar import VerdictBar
 
 
 class PagectlTop(ConsoleActions, App[None]):
@@ -85,6 +97,9 @@ class PagectlTop(ConsoleActions, App[None]):
         Binding(
             "less_than_sign", "speed(0.5)", "Slower", key_display="<", id="pagectl.replay.slower"
         ),
+        Binding("e", "event_filter", "Events", id="pagectl.event_filter"),
+        Binding("v", "view", "View", id="pagectl.view"),
+        Binding("i", "token_ids", "Ids/text", show=False, id="pagectl.token_ids"),
         Binding("question_mark", "help", "Help", key_display="?", id="pagectl.help"),
         Binding("q", "quit", "Quit", id="pagectl.quit"),
     ]
@@ -97,9 +112,17 @@ class PagectlTop(ConsoleActions, App[None]):
         record_path: str | None = None,
         stale_after: float = 3.0,
         poll_interval: float = 0.25,
+        chooser: SelectingResolver | None = None,
+        detokenizer: Detokenizer | None = None,
     ) -> None:
         super().__init__()
         self.source = source
+        # Set when the source finds its daemon through a selector: with several daemons and
+        # no selector, a picker asks before the telemetry pump starts.
+        self.chooser = chooser
+        # Turns inspected token ids into text, in a worker thread (None: ids only, or the
+        # text the source itself supplies).
+        self.detokenizer = detokenizer
         # The source's replay controls (None: a live source). Resolved once: isinstance against a
         # runtime-checkable Protocol costs tens of microseconds, and the link update is per frame.
         self.playback: PlaybackControl | None = (
@@ -122,6 +145,14 @@ class PagectlTop(ConsoleActions, App[None]):
         self._recorder: RecordWriter | None = None
         self._received_at: float | None = None
         self._last_seq: int | None = None
+        self.heartbeats_received = 0
+        # A minute of slim snapshots, one a second, for the verdict rules; their findings.
+        self.verdict_history: deque[TelemetrySnapshot] = deque(maxlen=61)
+        self.verdicts: list[Verdict] = []
+        # The compact layout's extra panel (see ``VIEWS``).
+        self.view = "events"
+        # Seconds in the current step, from the newest heartbeat (0.0 after a snapshot).
+        self._busy_s = 0.0
 
     # -- layout -------------------------------------------------------------------------
 
@@ -135,7 +166,9 @@ class PagectlTop(ConsoleActions, App[None]):
         self.trends = Trends(id="trends")
         self.event_log = EventLog(id="events")
         self.requests_table = RequestsTable(id="requests")
+        self.verdict_bar = VerdictBar(id="verdicts")
         yield self.header_panel
+        yield self.verdict_bar
         with Vertical(id="body") as body:
             self.body = body
             with Horizontal(id="top"):
@@ -157,9 +190,24 @@ class PagectlTop(ConsoleActions, App[None]):
         self.gauges.border_title = "KV usage"
         self.trends.border_title = "Over time"
         self.event_log.border_title = "Events"
+        self._apply_layout()
+        self.verdict_bar.show([])
         self._refresh_panels()
         self.block_map.focus()
         self.set_interval(0.5, self._tick)
+        choices = self.chooser.choices() if self.chooser is not None else []
+        if choices:
+            runtime_dir = self.chooser.runtime_dir if self.chooser is not None else ""
+            self.push_screen(DaemonPicker(choices, runtime_dir or ""), self._picked)
+        else:
+            self._pump()
+
+    def _picked(self, info: RuntimeInfo | None) -> None:
+        if info is None:
+            self.exit()
+            return
+        assert self.chooser is not None
+        self.chooser.choose(info)
         self._pump()
 
     async def on_unmount(self) -> None:
@@ -186,6 +234,9 @@ class PagectlTop(ConsoleActions, App[None]):
             if frame is None:
                 self._tick()
                 continue
+            if is_heartbeat(frame.data):
+                self._heartbeat(frame)
+                continue
             self.frames_received += 1
             per = self.block_map.per
             try:
@@ -195,21 +246,46 @@ class PagectlTop(ConsoleActions, App[None]):
                 continue
             self.apply(prepared)
 
+    def _heartbeat(self, frame: Frame) -> None:
+        """The engine is alive between snapshots (maybe busy in a long step): the link stays
+        live, and the header says how long the step has run."""
+        try:
+            hb = decode_heartbeat(frame.data)
+        except Exception:
+            return
+        self.heartbeats_received += 1
+        self._received_at = frame.received_at
+        self._busy_s = hb.busy_s
+        self._tick()
+
     def apply(self, prepared: Prepared) -> None:
         """Show a prepared snapshot in every panel."""
         snap = prepared.snapshot
+        self._busy_s = 0.0
         if self._last_seq is not None and snap.seq > self._last_seq + 1:
             self.frames_skipped += snap.seq - self._last_seq - 1
         self._last_seq = snap.seq
         self.current = prepared
         self._received_at = prepared.received_at
         self.history.update(snap)
+        self._judge(snap)
         self.block_map.set_states(prepared.states, prepared.cells)
         self.event_log.show_events(snap.events, snap.start_time)
         self.requests_table.show_rows(snap.requests)
         self._update_spotlight()
         self._refresh_panels()
         self.frames_applied += 1
+
+    def _judge(self, snap: TelemetrySnapshot) -> None:
+        """Keep a slim snapshot a second (a minute of them) and rerun the verdict rules."""
+        hist = self.verdict_history
+        if hist and (snap.start_time != hist[-1].start_time or snap.time < hist[-1].time):
+            hist.clear()  # another daemon, or a restart
+        if hist and snap.time - hist[-1].time < 1.0:
+            return
+        hist.append(slim(snap))
+        self.verdicts = verdicts(hist)
+        self.verdict_bar.show(self.verdicts)
 
     @property
     def snapshot(self) -> TelemetrySnapshot | None:
@@ -259,6 +335,7 @@ class PagectlTop(ConsoleActions, App[None]):
             src.read_only_reason if not src.can_control else "",
             replay.speed if replay is not None else 1.0,
             replay.position() if replay is not None else None,
+            self._busy_s if state == LIVE else 0.0,
         )
         old = self.link
         self.link = link
@@ -281,6 +358,49 @@ class PagectlTop(ConsoleActions, App[None]):
     def control_ready(self) -> bool:
         """Commands can be sent: a control token, and a live link."""
         return self.source.can_control and self.link.state == LIVE
+
+    def action_token_ids(self) -> None:
+        """The inspected block's tokens as ids or as text."""
+        self.detail.show_ids = not self.detail.show_ids
+        self._refresh_detail()
+
+    def action_event_filter(self) -> None:
+        self.event_log.cycle_filter()
+
+    # -- layout for small terminals -----------------------------------------------------
+
+    # Compact under this many columns or rows (80x24 and 100x30 are compact).
+    COMPACT_BELOW = (120, 36)
+    # What the compact layout shows besides map, KV usage, events and requests (the v key).
+    VIEWS = ("events", "trends", "detail")
+
+    @property
+    def compact(self) -> bool:
+        return self.screen_stack[0].has_class("-compact") if self.screen_stack else False
+
+    def on_resize(self, event) -> None:
+        self._apply_layout()
+
+    def _apply_layout(self) -> None:
+        if not self.screen_stack:
+            return
+        w, h = self.size
+        base = self.screen_stack[0]
+        compact = w < self.COMPACT_BELOW[0] or h < self.COMPACT_BELOW[1]
+        base.set_class(compact, "-compact")
+        for view in self.VIEWS[1:]:
+            base.set_class(compact and self.view == view, f"-view-{view}")
+        others = {"events": "v: over time", "trends": "v: selection", "detail": "v: events"}
+        hint = others[self.view] if compact else ""
+        self.event_log.border_subtitle = hint if self.view == "events" else ""
+        self.trends.border_subtitle = hint if self.view == "trends" else ""
+        self.detail.border_subtitle = hint if self.view == "detail" else ""
+
+    def action_view(self) -> None:
+        """Compact layout: show Over time, then Selection, then back to events only."""
+        self.view = self.VIEWS[(self.VIEWS.index(self.view) + 1) % len(self.VIEWS)]
+        self._apply_layout()
+        self._refresh_panels()
 
     # -- selection ----------------------------------------------------------------------
 
@@ -329,6 +449,12 @@ class PagectlTop(ConsoleActions, App[None]):
             await asyncio.sleep(delay)  # the next cursor move cancels this one
         try:
             result = await self.source.send(InspectBlock(block_id))
+            detok = self.detokenizer
+            if detok is not None and "text" not in result and result.get("token_ids"):
+                result = dict(result)
+                result["text"] = await asyncio.to_thread(detok.decode, result["token_ids"])
+                if result["text"] is None:
+                    result["text_error"] = detok.error
             self.inspection = Inspection(block_id, result, "ok")
         except CommandError as e:
             self.inspection = Inspection(block_id, None, f"{e.kind}: {e.message}")

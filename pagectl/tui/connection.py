@@ -28,3 +28,6 @@ class Connection:
     # Replay: playback speed and position (frames delivered, total, seconds played, total).
     speed: float = 1.0
     position: tuple[int, int, float, float] | None = None
+    # Live: seconds the engine has been inside its current step, from the newest heartbeat
+    # (0.0: it is between steps, or no heartbeat since the last snapshot).
+    busy_s: float = 0.0

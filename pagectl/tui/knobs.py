@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagectl.engine.live_config import LIVE_SETTINGS, LiveSetting
+
 
 @dataclass(frozen=True)
 class Knob:
-    """A live integer setting of the scheduler."""
+    """A live integer setting of the scheduler, as the console steps it (from its entry in
+    ``LIVE_SETTINGS``)."""
 
     # snake_case name, as in the daemon's config and ``SetConfig``.
     name: str
@@ -20,32 +23,16 @@ class Knob:
     granularity: int
     help: str
 
+    @classmethod
+    def of(cls, s: LiveSetting) -> Knob:
+        return cls(s.name, s.label, s.limit_key, s.low, s.granularity, s.description)
 
-BUDGET = Knob(
-    "max_num_batched_tokens",
-    "token budget",
-    "max_num_batched_tokens_limit",
-    1,
-    64,
-    "tokens one engine step may schedule (prefill chunks and decodes together)",
-)
-MAX_SEQS = Knob(
-    "max_num_seqs",
-    "running cap",
-    "max_num_seqs_limit",
-    1,
-    1,
-    "most sequences running at once (up to the start-up value)",
-)
-LONG_PREFILL = Knob(
-    "long_prefill_token_threshold",
-    "long-prefill threshold",
-    None,
-    0,
-    64,
-    "most prompt tokens one request prefills per step (0: only the budget limits it)",
-)
-KNOBS = (BUDGET, MAX_SEQS, LONG_PREFILL)
+
+# Every live integer setting, in the table's order.
+KNOBS = tuple(Knob.of(s) for s in LIVE_SETTINGS.values() if s.type is int)
+_BY_NAME = {k.name: k for k in KNOBS}
+BUDGET = _BY_NAME["max_num_batched_tokens"]
+MAX_SEQS = _BY_NAME["max_num_seqs"]
 
 # One key press changes a setting by this factor.
 STEP_FACTOR = 1.25

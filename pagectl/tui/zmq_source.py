@@ -38,6 +38,8 @@ class Endpoints:
     control: str | None
     # The 0600 file holding the control token; None: read-only.
     token_file: str | None
+    # The daemon's HTTP address, shown in the header ("" when attached by endpoints alone).
+    http_url: str = ""
 
 
 # Returns the endpoints of the daemon to attach to, or raises with a message for the header.
@@ -114,7 +116,7 @@ class ZmqSource:
             self._read_only_reason = "not connected"
             return
         self._endpoints = ep
-        self.label = ep.telemetry
+        self.label = ep.http_url or ep.telemetry
         self.detail = ""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.CONFLATE, 1)

@@ -40,6 +40,10 @@ class FlashPagedAttention(AttentionBackend):
         np.cumsum(meta.seq_lens_host, out=cu[1:])
         meta.backend_state = torch.from_numpy(cu).to(self.device, non_blocking=True)
 
+    def prepare_graph(self, meta: AttentionMetadata) -> None:
+        # The decode path reads only meta's device tensors.
+        meta.backend_state = None
+
     def attend(
         self,
         q: torch.Tensor,

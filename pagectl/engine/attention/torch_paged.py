@@ -63,9 +63,8 @@ class TorchAttentionState:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    # CPU: K+V bytes one decode group may gather, so the copy stays cache-resident. On the
-    # benchmark model (2 KiB of K+V per token per layer) 1, 2 and 4 MiB decode alike, 8 MiB
-    # about 10% slower, no cap 2.4x slower (docs/MODEL_EXECUTION.md, "Performance on CPU").
+    # CPU: K+V bytes one decode group may gather, so the copy stays cache-resident (the
+    # caps measured: docs/MODEL_EXECUTION.md, "Performance on CPU").
     CPU_GROUP_BYTES = 4 << 20
 
     def __init__(

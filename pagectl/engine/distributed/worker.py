@@ -10,8 +10,10 @@ A worker joins the group, then serves rank 0's broadcasts until told to stop:
 - ``OP_END_ENGINE``: release the engine (the group stays for the next one);
 - ``OP_SHUTDOWN``: leave the group and exit 0.
 
-Any error is posted to the store under the worker's rank (rank 0 reports it) and ends the
-process with status 1. A spawned worker also exits as soon as its parent (rank 0) is gone.
+Each rank is a fresh interpreter (launcher.py starts ``python -m
+pagectl.engine.distributed.worker --rank R --spec JSON``). Any error is posted to the store
+under the worker's rank (rank 0 reports it) and ends the process with status 1. A worker
+also exits as soon as its parent (rank 0) is gone.
 
 On other nodes of a multi-node group run
 
@@ -26,68 +28,58 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 from pagectl.engine.distributed import rendezvous as rdv
+from pagectl.engine.distributed.launcher import (
+    STARTUP_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    WorkerSpec,
+    start_local_ranks,
+)
 
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a node's spawned ranks need to join the group (pickled into each process)."""
-
-    rdzv: rdv.Rendezvous
-    # Rank 0's store: the loopback port it picked on one node, MASTER_ADDR:MASTER_PORT else.
-    store_addr: str
-    store_port: int
-    device_type: str
-    # The node's first CUDA device: local rank r uses device_index + r.
-    device_index: int
-    startup_timeout_s: float
-    step_timeout_s: float
-
-
-def spawn_local_workers(spec: WorkerSpec, ranks: range) -> dict[int, Any]:
-    """Start ``ranks`` of this node as spawned processes (daemonic: never outlive us)."""
-    ctx = mp.get_context("spawn")
-    procs = {}
-    for rank in ranks:
-        p = ctx.Process(
-            target=run_spawned_worker,
-            args=(spec, rank),
-            name=f"pagectl-tp-rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        procs[rank] = p
-    return procs
+# The process that started this rank (it holds our stdin's write end), when one did.
+_parent_pid: int | None = None
 
 
 def _exit_with_parent() -> None:
-    parent = mp.parent_process()
-    if parent is None:
-        return
+    """End this process as soon as its stdin reaches end of file: the parent is gone."""
+    global _parent_pid
+    _parent_pid = os.getppid()
 
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_spawned_worker(spec: WorkerSpec, rank: int) -> None:
-    """Target of a spawned worker process."""
+def _parent_gone() -> bool:
+    return _parent_pid is not None and os.getppid() != _parent_pid
+
+
+def run_rank_process(spec: WorkerSpec, rank: int) -> int:
+    """The body of ``python -m pagectl.engine.distributed.worker --rank R --spec JSON``."""
     # Ctrl-C in a terminal reaches the whole process group; rank 0 decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    sys.exit(serve_rank(spec, rank))
+    code = serve_rank(spec, rank)
+    # Leave without the interpreter's teardown (seconds with torch loaded; nothing of ours
+    # needs it): rank 0 waits for its workers to go at shutdown.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def serve_rank(spec: WorkerSpec, rank: int) -> int:
@@ -110,8 +102,7 @@ def serve_rank(spec: WorkerSpec, rank: int) -> int:
         )
         return _serve(tp, meta, store, device, rdzv.local_size, spec.startup_timeout_s)
     except Exception as e:
-        parent = mp.parent_process()
-        if parent is not None and not parent.is_alive():
+        if _parent_gone():
             return 1  # rank 0 is gone: nothing to report to
         traceback.print_exc()
         if store is not None:
@@ -170,14 +161,12 @@ def _serve(
 
 def main(argv: list[str] | None = None) -> int:
     """Run this node's ranks of a multi-node group (see the module docstring)."""
-    from pagectl.engine.distributed.workers import STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
-
     env = os.environ
     p = argparse.ArgumentParser(
         prog="python -m pagectl.engine.distributed.worker",
         description="Start this node's ranks of a pagectl tensor-parallel group.",
     )
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size (world size)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (world size)")
     p.add_argument("--nnodes", type=int, default=int(env.get("NNODES") or 1))
     p.add_argument("--node-rank", type=int, default=int(env.get("NODE_RANK") or 0))
     p.add_argument("--master-addr", default=env.get("MASTER_ADDR") or "")
@@ -186,7 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-index", type=int, default=0, help="first CUDA device to use")
     p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S)
     p.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S)
+    # One rank of this node, started by rank 0 or by this command on another node.
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.rank is not None:
+        if a.spec is None:
+            p.error("--rank needs --spec")
+        return run_rank_process(WorkerSpec.from_json(a.spec), a.rank)
+    if a.tp is None:
+        p.error("the following arguments are required: --tp")
     rdzv = rdv.Rendezvous(a.tp, a.nnodes, a.node_rank, a.master_addr, a.master_port)
     if rdzv.node_rank == 0:
         p.error("node 0 is the engine's node: start pagectl daemon (or LLM) there")
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=a.startup_timeout,
         step_timeout_s=a.step_timeout,
     )
-    procs = spawn_local_workers(spec, rdzv.local_ranks)
+    procs = start_local_ranks(spec, rdzv.local_ranks)
 
     def stop(*_: Any) -> None:
         for proc in procs.values():
@@ -216,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     while pending:
         multiprocessing.connection.wait([proc.sentinel for proc in pending.values()])
         for rank, proc in list(pending.items()):
+            proc.join(1.0)
             if proc.exitcode is None:
                 continue
             del pending[rank]
+            proc.close()
             if proc.exitcode and not status:
                 status = proc.exitcode if proc.exitcode > 0 else 1
                 stop()  # one rank failed: the group is over

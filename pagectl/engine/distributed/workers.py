@@ -1,6 +1,6 @@
 """``TPWorkers``: rank 0's handle on ranks 1..N-1 of a tensor-parallel group.
 
-Life cycle: ``start`` (spawn this node's workers, wait until every rank has joined the store,
+Life cycle: ``start`` (start this node's workers as fresh interpreters, launcher.py; wait until every rank has joined the store,
 form the process groups, start the watchdog); then per engine ``begin_engine`` (broadcast
 its description), the builder's barriers, ``send_step`` once per step, ``end_engine``;
 finally ``shutdown``. Engines come and go on the same workers (tests reuse one group for
@@ -36,6 +36,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagectl.engine.distributed import rendezvous as rdv
+from pagectl.engine.distributed.launcher import (
+    STARTUP_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    RankProcess,
+    WorkerSpec,
+    start_local_ranks,
+)
 from pagectl.engine.distributed.step_wire import (
     OP_END_ENGINE,
     OP_ENGINE,
@@ -47,8 +54,6 @@ from pagectl.engine.distributed.step_wire import (
 from pagectl.engine.models.parallel import TPGroup
 from pagectl.engine.runner.input_batch import StepArrays
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGECTL_TP_STARTUP_TIMEOUT_S") or 600)
-STEP_TIMEOUT_S = float(os.environ.get("PAGECTL_TP_STEP_TIMEOUT_S") or 300)
 HANG_GRACE_S = 10.0
 _POLL_S = 0.05
 
@@ -90,7 +95,7 @@ class TPWorkers:
         self.tp: TPGroup | None = None
         self.channel: StepChannel | None = None
         # Local worker processes by rank (ranks on other nodes are not ours to watch).
-        self.procs: dict[int, Any] = {}
+        self.procs: dict[int, RankProcess] = {}
         # Set once, by whichever thread sees the first fault; the group is unusable after.
         self.failure: str | None = None
         # Engine number: store keys of one engine's start-up never match another's.
@@ -98,6 +103,7 @@ class TPWorkers:
         self._closed = False
         # monotonic() when the step in progress began (the watchdog's hang check), or None.
         self._step_started: float | None = None
+        self._watchdog: threading.Thread | None = None
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -130,8 +136,6 @@ class TPWorkers:
         if rdzv.nnodes == 1:
             rdv.use_loopback_for_gloo()
         self.store = rdv.host_store(rdzv, self.startup_timeout_s)
-        from pagectl.engine.distributed.worker import WorkerSpec, spawn_local_workers
-
         spec = WorkerSpec(
             rdzv,
             store_addr="127.0.0.1" if rdzv.nnodes == 1 else rdzv.master_addr,
@@ -141,14 +145,15 @@ class TPWorkers:
             startup_timeout_s=self.startup_timeout_s,
             step_timeout_s=self.step_timeout_s,
         )
-        self.procs = spawn_local_workers(spec, range(1, rdzv.local_size))
+        self.procs = start_local_ranks(spec, range(1, rdzv.local_size))
         self._wait_keys({r: rdv.joined_key(r) for r in range(1, self.size)}, "join the group")
         device = rdv.device_for(self.device_type, self.device_index, 0)
         self.tp, meta = rdv.init_groups(
             self.store, 0, self.size, self.backend, device, self.step_timeout_s
         )
         self.channel = StepChannel(meta)
-        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
 
     @property
     def tp_group(self) -> TPGroup:
@@ -269,11 +274,7 @@ class TPWorkers:
         elif code is None:
             msg += " failed"
         elif not self._has_key(rdv.joined_key(rank)):
-            msg += (
-                " before joining the group (see its output; a script that builds a "
-                "tensor-parallel engine at import time needs an "
-                '`if __name__ == "__main__":` guard)'
-            )
+            msg += " before joining the group (see its output)"
         return msg
 
     def _has_key(self, key: str) -> bool:
@@ -304,6 +305,14 @@ class TPWorkers:
 
     def _watch(self) -> None:
         """Record the first local worker death; end the process if a step then hangs."""
+        try:
+            self._watch_sentinels()
+        finally:
+            if self._closed:  # shutdown left the sentinels to us (we were waiting on them)
+                for p in self.procs.values():
+                    p.close_sentinel()
+
+    def _watch_sentinels(self) -> None:
         by_sentinel = {p.sentinel: r for r, p in self.procs.items()}
         while not self._closed and self.failure is None and by_sentinel:
             ready = multiprocessing.connection.wait(list(by_sentinel), 0.5)
@@ -355,6 +364,11 @@ class TPWorkers:
             if p.is_alive():
                 p.kill()
                 p.join()
+        watchdog = self._watchdog
+        for p in self.procs.values():
+            p.close_stdin()
+            if watchdog is None or not watchdog.is_alive():
+                p.close_sentinel()
         if self.channel is not None and (graceful or self.backend == "gloo"):
             with contextlib.suppress(Exception):
                 rdv.destroy_groups()

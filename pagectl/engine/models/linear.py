@@ -14,8 +14,8 @@ part of a checkpoint tensor (or lazy slice) into it. Parameters are created unin
 the loader fills all of them.
 
 On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a layer's weight into
-oneDNN's blocked layout and frees the plain copy: oneDNN's matmul is 2-3x faster than the
-default BLAS path for the skinny and mid-size matmuls of a serving step.
+oneDNN's blocked layout and frees the plain copy: oneDNN's matmul beats the default BLAS
+path for the skinny and mid-size matmuls of a serving step (figures: docs/MODEL_EXECUTION.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,33 @@
-"""CUDA graphs for pure-decode steps (CUDA with a static-shape attention backend only).
+"""CUDA graphs for pure-decode steps (CUDA with a graph-capable attention backend only).
 
 A decode step of ``n`` sequences replays the graph captured for the smallest bucket size
 ``>= n`` (1, 2, 4, 8, then multiples of 16 up to ``max_batch_size``). Every captured graph
-reads the same static input buffers; rows ``[n, bucket)`` are padding: token 0 at position 0,
-writing its K/V into the scratch block, with a sequence length of 1 and a block table full of
-the scratch block, so padding never touches a real sequence's blocks.
+reads the same static inputs (``attention.backend.DecodeGraphBuffers``, padding rows
+described there); what the backend may and may not do under capture is the contract in
+``attention/backend.py`` (``prepare_graph``).
 
-Only the model body is captured; the LM head runs eagerly on the rows that sample.
-Disabled by ``enforce_eager``; never used for dynamic NTK rope (its frequencies depend on
-host-side lengths).
+Only the model body is captured; the LM head runs eagerly on the rows that sample. Steps
+with prefill rows run eagerly. Disabled by ``enforce_eager``; never used for dynamic NTK
+rope (its frequencies depend on host-side lengths). Capture time and the memory the graphs
+hold are logged and kept in ``capture_s`` / ``capture_bytes``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from pagectl.engine.attention.metadata import AttentionMetadata
+from pagectl.engine.attention.backend import DecodeGraphBuffers
 
 if TYPE_CHECKING:
     from pagectl.engine.runner.input_batch import StepBatch
     from pagectl.engine.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -32,90 +37,95 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
+class CudaGraphApi:
+    """What capturing needs from ``torch.cuda`` (tests substitute a CPU fake)."""
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: Any, pool: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record ``fn`` into ``graph`` (sharing ``pool``); returns its static output."""
+        with torch.cuda.graph(graph, pool=pool):
+            return fn()
+
+    def pool(self, graph: Any) -> Any:
+        return graph.pool()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def free_memory(self, device: torch.device) -> int:
+        return int(torch.cuda.mem_get_info(device)[0])
+
+
 class DecodeCudaGraphs:
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch_size: int, api: CudaGraphApi | None = None
+    ) -> None:
         self.runner = runner
+        self.api = api or CudaGraphApi()
         self.sizes = bucket_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
-        dev = runner.device
-        bs = runner.block_size
-        self.scratch_block = runner.kv.scratch_block
-        self.scratch_slot = self.scratch_block * bs
-        max_blocks = -(-runner.max_model_len // bs)
-        n = self.max_batch_size
-        # Static inputs shared by every graph (see the module docstring for padding rows).
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full(
-            (n, max_blocks), self.scratch_block, dtype=torch.int32, device=dev
+        self.buffers = DecodeGraphBuffers.allocate(
+            self.max_batch_size,
+            runner.max_model_len,
+            runner.block_size,
+            runner.kv.scratch_block,
+            runner.device,
         )
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    def _meta(self, n: int) -> AttentionMetadata:
-        ones = np.ones(n, np.int64)
-        return AttentionMetadata(
-            num_tokens=n,
-            num_seqs=n,
-            num_decodes=n,
-            max_query_len=1,
-            max_seq_len=self.runner.max_model_len,
-            block_size=self.runner.block_size,
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n],
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc_host=np.arange(n + 1, dtype=np.int64),
-            seq_lens_host=ones,
-            block_tables_host=np.full((n, 1), self.scratch_block, np.int64),
-        )
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.capture_bytes = 0
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per bucket, largest first (later ones reuse its memory pool)."""
         model = self.runner.model
         backend = self.runner.backend
+        dev = self.runner.device
+        buf = self.buffers
+        api = self.api
+        t0 = time.perf_counter()
+        api.synchronize(dev)
+        free_before = api.free_memory(dev)
         pool = None
         for n in reversed(self.sizes):
-            meta = self._meta(n)
-            backend.prepare(meta)
-            model(self.input_ids[:n], self.positions[:n], meta)  # warm-up outside the graph
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(self.input_ids[:n], self.positions[:n], meta)
+            meta = buf.metadata(n)
+            backend.prepare_graph(meta)
+
+            def body(n: int = n, meta: Any = meta) -> torch.Tensor:
+                return model(buf.input_ids[:n], buf.positions[:n], meta)
+
+            body()  # warm-up (and kernel compilation) outside the graph
+            api.synchronize(dev)
+            graph = api.new_graph()
+            out = api.capture(graph, pool, body)
             if pool is None:
-                pool = graph.pool()
+                pool = api.pool(graph)
             self._graphs[n] = (graph, out)
-        torch.cuda.synchronize(self.runner.device)
+        api.synchronize(dev)
+        free_after = api.free_memory(dev)
+        self.capture_s = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - free_after)
+        log.info(
+            "captured %d CUDA graphs (decode batch sizes 1..%d, %s backend) in %.1f s, "
+            "holding %.1f MiB",
+            len(self.sizes),
+            self.max_batch_size,
+            backend.name,
+            self.capture_s,
+            self.capture_bytes / 2**20,
+        )
 
     def can_run(self, batch: StepBatch) -> bool:
         m = batch.meta
-        return (
-            m.all_decode
-            and m.num_seqs <= self.max_batch_size
-            and m.token_seq_lens is None
-            and m.block_tables.shape[1] <= self.block_tables.shape[1]
-        )
+        return m.token_seq_lens is None and self.buffers.fits(m)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Replay the bucket for ``batch``; returns the hidden rows ``[n, hidden]``."""
-        m = batch.meta
-        n = m.num_seqs
+        n = batch.meta.num_seqs
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(m.slot_mapping)
-        self.seq_lens[:n].copy_(m.seq_lens)
-        self.block_tables[:size].fill_(self.scratch_block)
-        self.block_tables[:n, : m.block_tables.shape[1]].copy_(m.block_tables)
-        if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.scratch_slot)
-            self.seq_lens[n:size].fill_(1)
+        self.buffers.load(batch.input_ids, batch.positions, batch.meta, size)
         graph, out = self._graphs[size]
         graph.replay()
         return out[:n]

@@ -18,6 +18,7 @@ on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from pagectl.engine.runner.input_batch import BatchBuilder, StepArrays, StepBatc
 from pagectl.engine.runner.kv_cache import KVCachePool, kv_bytes_per_block
 from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
 from pagectl.engine.runner.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         max_num_seqs: int = 256,
+        kv_cache_dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         seed: int = 0,
@@ -79,19 +83,38 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         attn = model.attention_layers[0]
+        # The KV cache's dtype (default: the model's); attention computes in it.
+        kv_dtype = kv_cache_dtype or dtype
         self.kv = KVCachePool(
             model_config.num_hidden_layers,
             num_blocks,
             block_size,
             attn.num_kv_heads,
             attn.head_dim,
-            dtype,
+            kv_dtype,
             device,
         )
         if device.type == "cpu":
             model.pack_for_cpu()
-        kv_token_bytes = kv_bytes_per_block(1, 1, attn.num_kv_heads, attn.head_dim, dtype)
-        self.backend = select_backend(attention_backend, device, block_size, dtype, kv_token_bytes)
+        kv_token_bytes = kv_bytes_per_block(1, 1, attn.num_kv_heads, attn.head_dim, kv_dtype)
+        self.backend = select_backend(
+            attention_backend,
+            device,
+            block_size,
+            kv_dtype,
+            kv_token_bytes,
+            shape=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+        )
+        if tp_rank == 0:
+            log.info(
+                "attention backend %s (asked: %s) on %s, model %s, KV cache %s, block size %d",
+                self.backend.name,
+                attention_backend,
+                device,
+                str(dtype).removeprefix("torch."),
+                str(kv_dtype).removeprefix("torch."),
+                block_size,
+            )
         model.bind_kv_cache(self.kv.layer_caches(), self.backend)
         model.rotary_emb.ensure_cache(max_model_len, device)
         rotary = model.rotary_emb

@@ -52,13 +52,21 @@ def measure_peak_activation(
     block_size: int,
     attention_backend: str,
     device: torch.device,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> int:
     """Bytes of device memory a forward at ``num_tokens`` adds at its peak (CUDA only)."""
     attn = model.attention_layers[0]
+    kv_dtype = kv_cache_dtype or model.dtype
     cache = torch.zeros(
-        2, 1, block_size, attn.num_kv_heads, attn.head_dim, dtype=model.dtype, device=device
+        2, 1, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device
     )
-    backend = select_backend(attention_backend, device, block_size, model.dtype)
+    backend = select_backend(
+        attention_backend,
+        device,
+        block_size,
+        kv_dtype,
+        shape=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+    )
     model.bind_kv_cache([cache] * len(model.attention_layers), backend)
     model.rotary_emb.ensure_cache(num_tokens, device)
     meta = dummy_prefill_metadata(num_tokens, block_size, 0, device)

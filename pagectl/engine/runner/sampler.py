@@ -5,7 +5,9 @@ Each row of a batch follows its own ``SamplingParams``; rows of every kind mix f
 1. ``logit_bias`` is added; while the sequence is shorter than ``min_num_tokens`` its stop ids
    are masked to -inf; then the penalties: repetition (HF / vLLM: positive logits divided,
    negative ones multiplied, for every token of prompt and output), frequency and presence
-   (OpenAI: subtracted per occurrence / once, counting generated tokens only).
+   (OpenAI: subtracted per occurrence / once, counting generated tokens only). Last, rows
+   with a structured-outputs grammar get its token bitmask (tokens it forbids go to -inf);
+   rows without one skip this step entirely.
 2. Greedy rows (``temperature < 1e-5``) take the argmax of those processed logits.
 3. Other rows: divide by the temperature; keep the ``top_k`` largest logits; keep the nucleus
    of mass ``top_p`` of what top-k left (renormalised); drop tokens less likely than ``min_p``
@@ -35,6 +37,7 @@ from pagectl.engine.runner.logits_ops import (
     apply_top_k_top_p,
     token_logprobs,
 )
+from pagectl.engine.structured_outputs.bitmask import apply_grammar_bitmask
 
 if TYPE_CHECKING:
     from pagectl.engine.request import Request
@@ -69,6 +72,7 @@ class _BatchPlan:
         "bias_rows",
         "min_tokens_rows",
         "logprob_rows",
+        "grammar_rows",
     )
 
     def __init__(self, seqs: Sequence[Request]) -> None:
@@ -83,6 +87,8 @@ class _BatchPlan:
         self.bias_rows: list[int] = []
         self.min_tokens_rows: list[int] = []
         self.logprob_rows: list[int] = []
+        # Rows constrained by a grammar (``seq.grammar``, its matcher ready).
+        self.grammar_rows: list[int] = []
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
             if sp.greedy:
@@ -101,10 +107,14 @@ class _BatchPlan:
                 self.min_tokens_rows.append(i)
             if sp.logprobs is not None:
                 self.logprob_rows.append(i)
+            if seq.grammar is not None:
+                self.grammar_rows.append(i)
 
     @property
     def needs_processing(self) -> bool:
-        return bool(self.penalty_rows or self.bias_rows or self.min_tokens_rows)
+        return bool(
+            self.penalty_rows or self.bias_rows or self.min_tokens_rows or self.grammar_rows
+        )
 
 
 class Sampler:
@@ -235,6 +245,8 @@ class Sampler:
             out[self._tensor(rows), self._tensor(ids)] = _NEG_INF
         if plan.penalty_rows:
             self._apply_penalties(out, seqs, plan.penalty_rows)
+        if plan.grammar_rows:
+            apply_grammar_bitmask(out, seqs, plan.grammar_rows, self.vocab_size)
         return out
 
     def _apply_penalties(self, out: torch.Tensor, seqs: Sequence[Request], rows: list[int]):

@@ -23,8 +23,11 @@ KEYS = (
     ("tab", "move between the map and the requests table"),
     ("arrows, click", "map: select a cell; table: highlight a request (its blocks light up)"),
     ("enter", "map: ask the daemon about the selected block"),
+    ("i", "inspected block: its tokens as ids / as text"),
     ("+ / - / 0", "map: zoom in / out / fit the whole pool"),
     ("s / S", "table: next sort column / reverse"),
+    ("e", "events: show all / config / preemption / cache / admission"),
+    ("v", "small terminals: show Over time, then Selection, then events again"),
     ("?", "this help"),
     ("q", "quit"),
 )

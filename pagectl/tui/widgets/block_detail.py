@@ -35,6 +35,9 @@ class Inspection:
 
 
 class BlockDetail(Static):
+    # Show the inspected block's token ids instead of its text (the i key).
+    show_ids = False
+
     def show(
         self,
         selection: tuple[int, int] | None,
@@ -44,7 +47,11 @@ class BlockDetail(Static):
         inspection: Inspection | None,
         can_inspect: bool,
     ) -> None:
-        self.update(render_detail(selection, states, rows, block_size, inspection, can_inspect))
+        self.update(
+            render_detail(
+                selection, states, rows, block_size, inspection, can_inspect, self.show_ids
+            )
+        )
 
 
 def _swatch(t: Text, state: int, n: int | None = None) -> None:
@@ -61,7 +68,10 @@ def render_detail(
     block_size: int,
     inspection: Inspection | None,
     can_inspect: bool,
+    show_ids: bool = False,
 ) -> Text:
+    """The selection's details. An inspected block shows its tokens as text when the console
+    could detokenize them (``result["text"]``), else (or with ``show_ids``) as ids."""
     t = Text(no_wrap=True, overflow="ellipsis")
     if selection is None or states is None:
         t.append("No cell selected.\n", style="italic #8b949e")
@@ -140,15 +150,20 @@ def render_detail(
     t.append(f"{res.get('fill', 0)}/{block_size}", style="bold")
     t.append("\n")
     tokens = res.get("token_ids") or []
+    text = res.get("text")
+    if text is not None and not show_ids:
+        t.append("text   ", style="#8b949e")
+        preview = text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "…"
+        t.append(repr(preview)[1:-1] if preview else "(empty)", style="#e3b341")
+        t.append("  i: ids", style="#8b949e")
+        return t
     t.append("tokens ", style="#8b949e")
     listed = ", ".join(str(x) for x in tokens[:24])
     t.append(f"[{listed}{', …' if len(tokens) > 24 else ''}]" if tokens else "none")
-    text = res.get("text")
-    if text:
-        t.append("\n")
-        t.append("text   ", style="#8b949e")
-        preview = text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "…"
-        t.append(repr(preview)[1:-1], style="#e3b341")
+    if text is not None:
+        t.append("  i: text", style="#8b949e")
+    elif res.get("text_error"):
+        t.append(f"  ({res['text_error']})", style="#8b949e")
     return t
 
 

@@ -125,6 +125,12 @@ class BlockMapView(ScrollView, can_focus=True):
             self.cursor_block = None
         if per_changed:  # the spotlight's cells depend on its block ids and the cell size only
             self._update_spotlight()
+            cell = self.cursor_cell
+            if cell is not None:
+                # A zoom or resize changed the cell size: the selected cell now covers another
+                # range of blocks, and the Selection panel must say which.
+                self.cursor_block = cell * layout.per
+                self.post_message(self.CursorMoved(*layout.block_range(cell)))
         self.virtual_size = Size(layout.width, layout.rows)
         self._update_titles()
         self._invalidate()

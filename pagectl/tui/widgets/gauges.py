@@ -30,7 +30,7 @@ class Gauges(Static):
     """Four bars, each with its figure."""
 
     def show(self, snap: TelemetrySnapshot | None) -> None:
-        bar_width = max(8, self.size.width - 34) if self.size.width else 30
+        bar_width = max(6, self.size.width - 34) if self.size.width else 30
         self.update(render_gauges(snap, bar_width))
 
 

@@ -33,7 +33,7 @@ def _blocks(r: RequestRow) -> str:
 
 
 def _cached(r: RequestRow) -> str:
-    return "—" if r.num_cached_tokens < 0 else fmt.count(r.num_cached_tokens)
+    return fmt.count(r.num_cached_tokens) if r.admitted else "—"
 
 
 COLUMNS = (

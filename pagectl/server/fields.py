@@ -1,0 +1,160 @@
+"""Request fields that vLLM or OpenAI document for the generation endpoints and pagectl does
+not implement: a request that sets one (to anything but its no-op value) gets a 400 naming
+it. Fields nobody documents are ignored, as OpenAI's server does, with a debug log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagectl.server.errors import bad_request
+
+log = logging.getLogger("pagectl.server")
+
+# Field -> the values that change nothing (accepted). Missing or null is always accepted.
+_REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "prompt_embeds": (),
+    "mm_processor_kwargs": (),
+    "request_id": (),
+    "spaces_between_special_tokens": (True,),
+    "reasoning_effort": (),
+    "include_reasoning": (True,),
+    "thinking_token_budget": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "metadata": (),
+    "verbosity": (),
+    "prompt_cache_key": (),
+    "safety_identifier": (),
+    "function_call": (),
+    "functions": (),
+}
+
+COMPLETION_FIELDS = frozenset(
+    [
+        "model",
+        "prompt",
+        "best_of",
+        "echo",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "n",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "suffix",
+        "temperature",
+        "top_p",
+        "user",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "prompt_logprobs",
+        "add_special_tokens",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "priority",
+        "cache_salt",
+    ]
+)
+CHAT_FIELDS = frozenset(
+    [
+        "messages",
+        "model",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "presence_penalty",
+        "response_format",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "user",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "prompt_logprobs",
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "priority",
+        "cache_salt",
+    ]
+)
+
+
+def check_fields(body: dict, known: frozenset[str], endpoint: str) -> None:
+    """400 for a documented field pagectl does not implement; a debug line for unknown ones."""
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        if name in _REFUSED_UNLESS:
+            if any(_same(value, ok) for ok in _REFUSED_UNLESS[name]):
+                continue
+            raise bad_request(f"`{name}` is not supported by pagectl", name)
+        log.debug("%s: ignoring unknown field %r", endpoint, name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with booleans never equal to numbers (True is not 1 here)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return bool(a == b)
