@@ -110,6 +110,27 @@ async def test_shared_prefix_lands_on_one_backend_with_hits(aiohttp_client, back
     assert counts[-1] >= 15, counts
 
 
+async def test_messages_are_proxied_with_prefix_affinity(aiohttp_client, backends):
+    client, router = await _router(aiohttp_client, [s for _, s in backends])
+    for i in range(6):
+        body = {
+            "system": SYSTEM,
+            "messages": [{"role": "user", "content": f"Question {i}?"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        r = await client.post("/v1/messages", json=body, headers={"x-api-key": "unused"})
+        assert r.status == 200, await r.text()
+        assert (await r.json())["type"] == "message"
+        await asyncio.sleep(0.05)  # the events of this prefill reach the router
+    counts = sorted(_decisions(router).values())
+    assert counts[-1] >= 5, counts  # the shared system prompt keeps them on one daemon
+    r = await client.post("/v1/messages", data=b"[1, 2")
+    assert r.status == 400
+    err = await r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+
+
 async def test_unrelated_load_spreads(aiohttp_client, backends):
     client, router = await _router(aiohttp_client, [s for _, s in backends])
     rng = random.Random(7)

@@ -1,4 +1,4 @@
-"""The router's HTTP app: OpenAI endpoints proxied to the backend the policy picks.
+"""The router's HTTP app: OpenAI endpoints (and Anthropic's ``/v1/messages``) proxied to the backend the policy picks.
 
 Per request: read the JSON body, find its token ids (a token-id prompt as is; text through a
 live backend's ``/tokenize``, which applies the chat template the same way), hash its full
@@ -10,7 +10,9 @@ Invariants:
   connection or a 503 before any byte of the response (the backend refused it). Once a
   backend answered, its response is the answer.
 - Streams pass through chunk by chunk as they arrive. A backend lost mid-stream ends the
-  client's stream with an SSE ``error`` event (OpenAI's error shape) and ``data: [DONE]``.
+  client's stream with an SSE ``error`` event (OpenAI's error shape) and ``data: [DONE]``;
+  on ``/v1/messages``, with Anthropic's ``event: error`` (its shape, no ``[DONE]``). The
+  router's own errors there are in Anthropic's shape too.
 - ``inflight`` of a backend counts the requests forwarded to it and not finished, exactly.
 """
 
@@ -28,22 +30,47 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pagectl.engine.kv.hashing import hash_request_blocks
 from pagectl.router.backends import Backend, poll_forever
 from pagectl.routing.policy import RoutingPolicy
+from pagectl.server.anthropic_api import to_chat_body
+from pagectl.server.errors import APIError
 
 log = logging.getLogger("pagectl.router")
 
 # Leading blocks hashed per request: affinity is decided by the start of the prompt.
 MAX_HASHED_BLOCKS = 64
-PROXIED = ("/v1/completions", "/v1/chat/completions")
+PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+# The path whose errors leave in Anthropic's shape rather than OpenAI's.
+ANTHROPIC_PATH = "/v1/messages"
 # Request headers passed on to the backend (the rest are hop-by-hop or the router's own).
-FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+FORWARD_HEADERS = (
+    "Authorization",
+    "x-api-key",
+    "anthropic-version",
+    "Content-Type",
+    "Accept",
+    "X-Request-Id",
+)
+# The router's own error types, in Anthropic's names (``server/anthropic_api.py``).
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "service_unavailable": "overloaded_error",
+    "server_error": "api_error",
+}
 
 
-def _error(status: int, message: str, kind: str = "server_error") -> web.Response:
+def _error(status: int, message: str, kind: str = "server_error", path: str = "") -> web.Response:
+    """The router's own error, in the shape of the endpoint asked (OpenAI's or Anthropic's)."""
+    if path == ANTHROPIC_PATH:
+        err = {"type": _ANTHROPIC_TYPES.get(kind, "api_error"), "message": message}
+        return web.json_response({"type": "error", "error": err}, status=status)
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.json_response(body, status=status)
 
 
-def _stream_error(backend: str) -> bytes:
+def _stream_error(backend: str, path: str = "") -> bytes:
+    if path == ANTHROPIC_PATH:
+        msg = {"type": "api_error", "message": f"backend {backend} was lost mid-stream"}
+        data = json.dumps({"type": "error", "error": msg})
+        return f"\n\nevent: error\ndata: {data}\n\n".encode()
     err = {
         "error": {
             "message": f"backend {backend} was lost mid-stream",
@@ -172,6 +199,11 @@ class Router:
                 return None  # a batch of prompts: routed by load
             tok_body: dict = {"prompt": prompt}
         else:
+            if path == ANTHROPIC_PATH:
+                try:  # the chat messages the daemon will template (system first)
+                    body = to_chat_body(body)
+                except APIError:
+                    return None  # the backend refuses it with its own 400
             msgs = body.get("messages")
             if not isinstance(msgs, list):
                 return None
@@ -218,9 +250,13 @@ class Router:
         try:
             body = json.loads(raw)
         except ValueError:
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+            return _error(
+                400, "the request body is not valid JSON", "invalid_request_error", request.path
+            )
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+            return _error(
+                400, "the request body must be a JSON object", "invalid_request_error", request.path
+            )
         hashes = await self.request_hashes(request.path, body)
         headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
         tried: set[str] = set()
@@ -229,7 +265,7 @@ class Router:
             b = self.choose(hashes, tried)
             if b is None:
                 self.metrics.requests.labels("none", "503").inc()
-                return _error(503, "no backend is available", "service_unavailable")
+                return _error(503, "no backend is available", "service_unavailable", request.path)
             tried.add(b.name)
             b.load.inflight += 1
             try:
@@ -262,7 +298,9 @@ class Router:
                     data = await upstream.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     b.mark_down()
-                    return _error(502, f"backend {b.name} was lost before it answered")
+                    return _error(
+                        502, f"backend {b.name} was lost before it answered", path=request.path
+                    )
                 return web.Response(
                     body=data,
                     status=upstream.status,
@@ -282,7 +320,7 @@ class Router:
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     b.mark_down()
                     self.metrics.stream_errors.labels(b.name).inc()
-                    await _write_quietly(out, _stream_error(b.name))
+                    await _write_quietly(out, _stream_error(b.name, request.path))
                     break
                 if not await _write_quietly(out, chunk):
                     return out  # the client left: closing the upstream aborts the request
