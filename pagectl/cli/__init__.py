@@ -1,4 +1,4 @@
-"""The ``pagectl`` command line: ``daemon | top | ctl | ls | generate | bench``.
+"""The ``pagectl`` command line: ``daemon | top | ctl | ls | generate | route | bench``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``
 (returning the exit status). Modules are imported only when their command runs, so that
@@ -18,6 +18,7 @@ COMMANDS = {
     "ctl": ("pagectl.cli.ctl", "scripted control of a running daemon (status, set, pause, ...)"),
     "ls": ("pagectl.cli.ls", "list the running daemons (pid, model, URL, TP, uptime, state)"),
     "generate": ("pagectl.cli.generate", "generate a continuation offline, without a server"),
+    "route": ("pagectl.cli.route", "reverse proxy routing requests over several daemons"),
     "bench": ("pagectl.cli.bench", "throughput and serving benchmarks against peers"),
 }
 

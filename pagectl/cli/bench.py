@@ -18,6 +18,10 @@ BENCHES = {
         "pagectl.bench.serve",
         "online serving: concurrent streaming clients against a daemon",
     ),
+    "route": (
+        "pagectl.bench.route",
+        "prefix routing against round robin through pagectl route over two daemons",
+    ),
 }
 
 

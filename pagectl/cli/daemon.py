@@ -8,6 +8,8 @@ import argparse
 import os
 import sys
 
+import msgspec
+
 from pagectl.engine.args import EngineArgs, add_cli_arguments
 
 
@@ -175,6 +177,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--telemetry-hz", type=float, default=10.0, help="snapshots per second (default 10)"
     )
+    a.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", '
+        '"replay_endpoint": "tcp://127.0.0.1:5558"}\' (docs/KV_EVENTS.md)',
+    )
+    a.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="let --kv-events-config bind or connect off loopback",
+    )
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
@@ -261,6 +276,14 @@ def run(args: argparse.Namespace) -> int:
         for ep in (args.admin_telemetry_endpoint, args.admin_control_endpoint):
             if ep:
                 loopback_only(ep)
+        kv_events = None
+        if args.kv_events_config is not None:
+            from pagectl.engine_process.kv_events import parse_kv_events_config
+
+            kv_cfg = parse_kv_events_config(
+                args.kv_events_config, allow_remote=args.kv_events_allow_remote
+            )
+            kv_events = msgspec.to_builtins(kv_cfg) if kv_cfg.active else None
     except ValueError as e:
         return fail(str(e))
     if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
@@ -330,5 +353,6 @@ def run(args: argparse.Namespace) -> int:
         engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout,
         telemetry_hz=args.telemetry_hz,
+        kv_events_config=kv_events,
     )
     return run_daemon(opts)

@@ -59,6 +59,8 @@ class DaemonOptions:
     engine_factory: str | None = None
     drain_timeout: float = 30.0
     telemetry_hz: float = 10.0
+    # ``--kv-events-config`` as parsed (vLLM's KVEventsConfig fields), or None.
+    kv_events_config: dict | None = None
 
 
 def _say(msg: str) -> None:
@@ -137,6 +139,7 @@ async def serve(opts: DaemonOptions) -> int:
                 token_file=str(ddir.token_file),
                 audit_file=str(ddir.audit_file),
                 telemetry_hz=opts.telemetry_hz,
+                kv_events_config=opts.kv_events_config,
             ),
             input_endpoint=ddir.endpoint("engine-in"),
             output_endpoint=ddir.endpoint("engine-out"),

@@ -27,6 +27,7 @@ from pagectl.engine.commands import (
     SetConfig,
     SetPrefixCaching,
 )
+from pagectl.engine.kv.events import KVEvent, KVEventRecorder
 from pagectl.engine.live_config import normalize_name
 from pagectl.engine.outputs import (
     EngineCoreOutput,
@@ -226,6 +227,22 @@ class EngineCore:
     def add_event(self, kind: str, message: str, **data: object) -> None:
         """Record an event in the engine's event log (telemetry and the console show it)."""
         self.scheduler.add_event(kind, message, **data)
+
+    def enable_kv_events(self) -> KVEventRecorder:
+        """Start recording the block pool's KV-cache events (see ``engine/kv/events.py``)."""
+        pool = self.scheduler.kv.pool
+        if pool.events is None:
+            pool.events = KVEventRecorder()
+        return pool.events
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (empty when recording is off)."""
+        rec = self.scheduler.kv.pool.events
+        return rec.take() if rec is not None else []
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.kv.pool.block_size
 
     def live_config(self) -> dict[str, int | float | str | bool]:
         """The settings in force (live ones and their start-up limits)."""

@@ -43,6 +43,7 @@ from pagectl.engine_process.frames import (
     decode_frame,
     submit_request_id,
 )
+from pagectl.engine_process.kv_events import KVEventPublisher
 from pagectl.engine_process.publisher import TelemetryPublisher
 
 log = logging.getLogger("pagectl.engine")
@@ -94,6 +95,8 @@ class EngineLoop:
         token: the control token.
         telemetry_interval: seconds between snapshots (and stats messages).
         stop_event: set by another thread (parent death) to make the loop return.
+        kv_events: the KV-event publisher (``--kv-events-config``), or None. The step's
+            events are handed to it once per turn, after the step and the control commands.
         audit: where control commands are recorded (None: nowhere).
     """
 
@@ -108,6 +111,7 @@ class EngineLoop:
         token: str,
         telemetry_interval: float = 0.1,
         stop_event: threading.Event | None = None,
+        kv_events: KVEventPublisher | None = None,
         audit: AuditLog | None = None,
     ) -> None:
         self.core = core
@@ -120,6 +124,9 @@ class EngineLoop:
         self.token = token
         self.telemetry_interval = telemetry_interval
         self.stop_event = stop_event or threading.Event()
+        self.kv_events = kv_events
+        if kv_events is not None:
+            core.enable_kv_events()
         self._next_publish = 0.0
         self._shutdown = False
         self.poller = zmq.Poller()
@@ -136,7 +143,11 @@ class EngineLoop:
         snap = self.core.snapshot()
         if self.publisher is not None:
             self.publisher.publish(encode_snapshot(snap), snap.seq)
-        self._send(engine_stats(snap))
+        stats = engine_stats(snap)
+        if self.kv_events is not None:
+            stats.kv_events_published = self.kv_events.num_published
+            stats.kv_events_dropped = self.kv_events.num_dropped
+        self._send(stats)
         self._next_publish = time.monotonic() + self.telemetry_interval
 
     # -- inputs -------------------------------------------------------------------------
@@ -274,6 +285,10 @@ class EngineLoop:
                     self._send(wire.OutputBatch(outputs))
                 if not core.has_unfinished():
                     self._next_publish = 0.0  # idle now: /metrics and consoles see it at once
+            if self.kv_events is not None:
+                events = core.take_kv_events()  # one batch per turn, handed over, never sent here
+                if events:
+                    self.kv_events.publish(events)
             if time.monotonic() >= self._next_publish:
                 try:
                     self.publish()

@@ -82,6 +82,8 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     # The append-only JSON-lines audit file of control commands ("" keeps none).
     audit_file: str = ""
     telemetry_hz: float = 10.0
+    # ``--kv-events-config`` (vLLM's KVEventsConfig fields, checked by the daemon), or None.
+    kv_events_config: dict[str, Any] | None = None
 
 
 def _read_line(fd: int) -> bytes:
@@ -172,6 +174,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
 
     built = None
     pub = router = None
+    kv_pub = None
     claims: list[ipc.IpcClaim] = []
     try:
         try:
@@ -188,6 +191,12 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             router = limit_socket(ctx.socket(zmq.ROUTER), MAX_CONTROL_FRAME_BYTES)
             router.setsockopt(zmq.LINGER, 0)
             control_ep = _bind(router, cfg.control_endpoint, claims)
+            if cfg.kv_events_config is not None:
+                from pagectl.engine_process.kv_events import KVEventPublisher, KVEventsConfig
+
+                kv_cfg = msgspec.convert(cfg.kv_events_config, KVEventsConfig)
+                if kv_cfg.active:
+                    kv_pub = KVEventPublisher(kv_cfg, built.core.block_size, ctx=ctx)
         except Exception as e:  # report any start-up failure to the daemon
             traceback.print_exc()
             send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))
@@ -209,10 +218,13 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             token=token,
             telemetry_interval=1.0 / cfg.telemetry_hz,
             stop_event=stop,
+            kv_events=kv_pub,
             audit=AuditLog(cfg.audit_file) if cfg.audit_file else None,
         )
         return loop.run()
     finally:
+        if kv_pub is not None:
+            kv_pub.shutdown()
         if built is not None:
             try:
                 built.shutdown()

@@ -113,6 +113,10 @@ class EngineStats(msgspec.Struct, tag="stats", tag_field="t", kw_only=True):
     num_used_token_slots: int
     counters: Counters
     config: dict[str, int | float | str | bool]
+    # KV-event batches sent, and dropped because the publisher's queue was full (0 when
+    # --kv-events-config is off).
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0
 
 
 class EngineDead(msgspec.Struct, tag="dead", tag_field="t"):

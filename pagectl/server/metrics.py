@@ -161,6 +161,16 @@ class _EngineCollector:
             "Constrained requests served by the compiled-grammar cache.",
             c.grammar_cache_hits,
         )
+        yield _counter(
+            "pagectl:kv_events_published",
+            "KV-event batches sent (--kv-events-config).",
+            s.kv_events_published,
+        )
+        yield _counter(
+            "pagectl:kv_events_dropped",
+            "KV-event batches dropped because the publisher's queue was full.",
+            s.kv_events_dropped,
+        )
         if s.config.get("speculative_method", "none") != "none":
             yield from _spec_decode_metrics(c)
 

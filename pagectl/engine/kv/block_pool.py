@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagectl.engine.kv.events import KVEventRecorder
+
 
 class KVBlock:
     """One block of ``block_size`` token slots in every layer's KV tensors."""
@@ -117,6 +119,8 @@ class BlockPool:
         self.num_cached_free_blocks = 0
         # Most blocks in use at once since start (or since the last reset of this field).
         self.peak_used_blocks = 0
+        # KV-cache events of this pool's transitions (None: nobody listens, nothing recorded).
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -158,6 +162,8 @@ class BlockPool:
         b.token_ids = None
         self.hashed_bytes[b.block_id] = 0
         self.num_evictions += 1
+        if self.events is not None and h is not None:
+            self.events.removed(h)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (prefix hit or fork)."""
@@ -191,8 +197,17 @@ class BlockPool:
                     queue.append(b)
                     self.num_cached_free_blocks += 1
 
-    def cache_block(self, b: KVBlock, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(
+        self,
+        b: KVBlock,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent_hash: bytes | None = None,
+    ) -> bool:
         """Register a full, computed block under its hash. False if the hash is taken.
+
+        ``parent_hash`` is the hash of the block before it in its chain (None for a first
+        block); only KV events carry it.
 
         When another block already holds the same content, the map keeps the first one and this
         block stays unregistered (it is freed to the head of the list like any unhashed block).
@@ -203,6 +218,8 @@ class BlockPool:
         b.token_ids = token_ids
         self.cached_blocks[block_hash] = b
         self.hashed_bytes[b.block_id] = 1
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
         return True
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
@@ -223,6 +240,8 @@ class BlockPool:
                 released.append(b)
         self.cached_blocks.clear()
         self.num_cached_free_blocks = 0
+        if self.events is not None:
+            self.events.cleared()
         queue = self.free_block_queue
         for b in released:
             queue.remove(b)

@@ -75,7 +75,8 @@ class KVCacheManager:
         for i in range(start_block, n_full):
             b = blocks[i]
             if b.block_hash is None:
-                cache_block(b, hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+                parent = hashes[i - 1] if i else None
+                cache_block(b, hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent)
         req.num_registered_blocks = n_full
 
     def reset_prefix_cache(self) -> int:

@@ -1,0 +1,384 @@
+"""The router's HTTP app: OpenAI endpoints (and Anthropic's ``/v1/messages``) proxied to the backend the policy picks.
+
+Per request: read the JSON body, find its token ids (a token-id prompt as is; text through a
+live backend's ``/tokenize``, which applies the chat template the same way), hash its full
+blocks as the engines do (``engine/kv/hashing.py``, the request's ``cache_salt`` included),
+choose a backend, forward.
+
+Invariants:
+- A request is retried on another backend only while no backend has accepted it: a failed
+  connection or a 503 before any byte of the response (the backend refused it). Once a
+  backend answered, its response is the answer.
+- Streams pass through chunk by chunk as they arrive. A backend lost mid-stream ends the
+  client's stream with an SSE ``error`` event (OpenAI's error shape) and ``data: [DONE]``;
+  on ``/v1/messages``, with Anthropic's ``event: error`` (its shape, no ``[DONE]``). The
+  router's own errors there are in Anthropic's shape too.
+- ``inflight`` of a backend counts the requests forwarded to it and not finished, exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pagectl.engine.kv.hashing import hash_request_blocks
+from pagectl.router.backends import Backend, poll_forever
+from pagectl.routing.policy import RoutingPolicy
+from pagectl.server.anthropic_api import to_chat_body
+from pagectl.server.errors import APIError
+
+log = logging.getLogger("pagectl.router")
+
+# Leading blocks hashed per request: affinity is decided by the start of the prompt.
+MAX_HASHED_BLOCKS = 64
+PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+# The path whose errors leave in Anthropic's shape rather than OpenAI's.
+ANTHROPIC_PATH = "/v1/messages"
+# Request headers passed on to the backend (the rest are hop-by-hop or the router's own).
+FORWARD_HEADERS = (
+    "Authorization",
+    "x-api-key",
+    "anthropic-version",
+    "Content-Type",
+    "Accept",
+    "X-Request-Id",
+)
+# The router's own error types, in Anthropic's names (``server/anthropic_api.py``).
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "service_unavailable": "overloaded_error",
+    "server_error": "api_error",
+}
+
+
+def _error(status: int, message: str, kind: str = "server_error", path: str = "") -> web.Response:
+    """The router's own error, in the shape of the endpoint asked (OpenAI's or Anthropic's)."""
+    if path == ANTHROPIC_PATH:
+        err = {"type": _ANTHROPIC_TYPES.get(kind, "api_error"), "message": message}
+        return web.json_response({"type": "error", "error": err}, status=status)
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _stream_error(backend: str, path: str = "") -> bytes:
+    if path == ANTHROPIC_PATH:
+        msg = {"type": "api_error", "message": f"backend {backend} was lost mid-stream"}
+        data = json.dumps({"type": "error", "error": msg})
+        return f"\n\nevent: error\ndata: {data}\n\n".encode()
+    err = {
+        "error": {
+            "message": f"backend {backend} was lost mid-stream",
+            "type": "server_error",
+            "param": None,
+            "code": 502,
+        }
+    }
+    # The blank lines end whatever partial event the backend left.
+    return f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _write_quietly(out: web.StreamResponse, data: bytes | None) -> bool:
+    """Write ``data`` (None: the end of the body) to the client; False if it has left."""
+    try:
+        if data is None:
+            await out.write_eof()
+        else:
+            await out.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError):
+        return False
+    return True
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        reg = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pagectl_router:requests",
+            "Requests answered, by backend and status (backend 'none': no backend took it).",
+            ["backend", "status"],
+            registry=reg,
+        )
+        self.decisions = Counter(
+            "pagectl_router:routing_decisions",
+            "Routing decisions by backend and reason (prefix, load, round_robin, skew).",
+            ["backend", "reason"],
+            registry=reg,
+        )
+        self.matched_blocks = Counter(
+            "pagectl_router:prefix_matched_blocks",
+            "Leading request blocks the chosen backend held, per its KV events.",
+            ["backend"],
+            registry=reg,
+        )
+        self.retries = Counter(
+            "pagectl_router:retries",
+            "Requests sent to another backend after a refusal.",
+            registry=reg,
+        )
+        self.stream_errors = Counter(
+            "pagectl_router:stream_errors",
+            "Streams ended with an error event because their backend was lost.",
+            ["backend"],
+            registry=reg,
+        )
+        self.up = Gauge(
+            "pagectl_router:backend_up", "1 if the backend is alive.", ["backend"], registry=reg
+        )
+        self.inflight = Gauge(
+            "pagectl_router:backend_inflight",
+            "Requests in flight per backend.",
+            ["backend"],
+            registry=reg,
+        )
+        self.event_batches = Gauge(
+            "pagectl_router:kv_event_batches",
+            "KV-event batches applied per backend.",
+            ["backend"],
+            registry=reg,
+        )
+        self.event_gaps = Gauge(
+            "pagectl_router:kv_event_gaps",
+            "Gaps in a backend's KV-event sequence numbers.",
+            ["backend"],
+            registry=reg,
+        )
+
+
+class Router:
+    def __init__(
+        self,
+        backends: list[Backend],
+        policy: RoutingPolicy,
+        *,
+        health_interval: float = 1.0,
+        request_timeout: float | None = None,
+    ) -> None:
+        self.backends = backends
+        self.policy = policy
+        self.health_interval = health_interval
+        self.request_timeout = request_timeout
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._zmq = zmq.asyncio.Context()
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=5),
+            auto_decompress=False,
+        )
+        await asyncio.gather(*(b.poll(self.session, 2.0) for b in self.backends))
+        self._tasks.append(
+            asyncio.create_task(poll_forever(self.backends, self.session, self.health_interval))
+        )
+        for b in self.backends:
+            self._tasks.append(asyncio.create_task(b.follow_events(self._zmq, self.policy)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        self._zmq.term()
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    async def _token_ids(self, path: str, body: dict) -> list[int] | None:
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                return None  # a batch of prompts: routed by load
+            tok_body: dict = {"prompt": prompt}
+        else:
+            if path == ANTHROPIC_PATH:
+                try:  # the chat messages the daemon will template (system first)
+                    body = to_chat_body(body)
+                except APIError:
+                    return None  # the backend refuses it with its own 400
+            msgs = body.get("messages")
+            if not isinstance(msgs, list):
+                return None
+            tok_body = {"messages": msgs}
+        live = [b for b in self.backends if b.load.alive]
+        if not live or self.session is None:
+            return None
+        b = min(live, key=lambda x: x.load.load)
+        try:
+            async with self.session.post(b.spec.url + "/tokenize", json=tok_body) as r:
+                if r.status != 200:
+                    return None
+                tokens = (await r.json()).get("tokens")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+    async def request_hashes(self, path: str, body: dict) -> list[bytes]:
+        if self.policy.policy != "prefix":
+            return []
+        sizes = {b.block_size for b in self.backends if b.block_size}
+        if len(sizes) != 1:
+            return []  # unknown or mixed block sizes: no common hash chain
+        tokens = await self._token_ids(path, body)
+        if not tokens:
+            return []
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return hash_request_blocks(tokens, sizes.pop(), [], salt, MAX_HASHED_BLOCKS)
+
+    def choose(self, hashes: list[bytes], exclude: set[str]) -> Backend | None:
+        cands = [b for b in self.backends if b.name not in exclude]
+        d = self.policy.choose([b.load for b in cands], hashes)
+        if d is None:
+            return None
+        b = cands[d.index]
+        self.metrics.decisions.labels(b.name, d.reason).inc()
+        self.metrics.matched_blocks.labels(b.name).inc(d.matched_blocks)
+        return b
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(
+                400, "the request body is not valid JSON", "invalid_request_error", request.path
+            )
+        if not isinstance(body, dict):
+            return _error(
+                400, "the request body must be a JSON object", "invalid_request_error", request.path
+            )
+        hashes = await self.request_hashes(request.path, body)
+        headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
+        tried: set[str] = set()
+        assert self.session is not None
+        while True:
+            b = self.choose(hashes, tried)
+            if b is None:
+                self.metrics.requests.labels("none", "503").inc()
+                return _error(503, "no backend is available", "service_unavailable", request.path)
+            tried.add(b.name)
+            b.load.inflight += 1
+            try:
+                resp = await self._forward(request, b, raw, headers)
+            finally:
+                b.load.inflight -= 1
+            if resp is not None:
+                self.metrics.requests.labels(b.name, str(resp.status)).inc()
+                return resp
+            self.metrics.retries.inc()
+
+    async def _forward(
+        self, request: web.Request, b: Backend, raw: bytes, headers: dict
+    ) -> web.StreamResponse | None:
+        """The backend's answer, or None when it did not accept the request (retry)."""
+        assert self.session is not None
+        try:
+            upstream = await self.session.post(b.spec.url + request.path, data=raw, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            log.warning("backend %s refused a request: %s", b.name, e)
+            b.mark_down()
+            return None
+        async with upstream:
+            if upstream.status == 503:
+                await upstream.read()
+                return None  # draining or full: another backend may take it
+            ctype = upstream.headers.get("Content-Type", "application/json")
+            if not ctype.startswith("text/event-stream"):
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    b.mark_down()
+                    return _error(
+                        502, f"backend {b.name} was lost before it answered", path=request.path
+                    )
+                return web.Response(
+                    body=data,
+                    status=upstream.status,
+                    content_type=None,
+                    headers={"Content-Type": ctype},
+                )
+            out = web.StreamResponse(
+                status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+            )
+            await out.prepare(request)
+            chunks = upstream.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    b.mark_down()
+                    self.metrics.stream_errors.labels(b.name).inc()
+                    await _write_quietly(out, _stream_error(b.name, request.path))
+                    break
+                if not await _write_quietly(out, chunk):
+                    return out  # the client left: closing the upstream aborts the request
+            await _write_quietly(out, None)
+            return out
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        for b in self.backends:
+            if not b.load.alive:
+                continue
+            try:
+                async with self.session.get(b.spec.url + "/v1/models") as r:
+                    return web.Response(
+                        body=await r.read(), status=r.status, content_type="application/json"
+                    )
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                b.mark_down()
+        return _error(503, "no backend is available", "service_unavailable")
+
+    async def health(self, request: web.Request) -> web.Response:
+        alive = sum(b.load.alive for b in self.backends)
+        body = {
+            "status": "ok" if alive == len(self.backends) else ("degraded" if alive else "down"),
+            "backends": {b.name: b.load.alive for b in self.backends},
+        }
+        return web.json_response(body, status=200 if alive else 503)
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        m = self.metrics
+        for b in self.backends:
+            m.up.labels(b.name).set(1 if b.load.alive else 0)
+            m.inflight.labels(b.name).set(b.load.inflight)
+            m.event_batches.labels(b.name).set(b.num_event_batches)
+            m.event_gaps.labels(b.name).set(b.num_event_gaps)
+        return web.Response(
+            body=generate_latest(m.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def create_router_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app[ROUTER] = router
+    for path in PROXIED:
+        app.router.add_post(path, router.proxy)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.render_metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        await router.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await router.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,25 @@
+"""``pagectl bench route``: its workload and the figures it derives from /metrics."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagectl.bench.route import add_arguments, delta, workload
+
+
+def test_workload_interleaves_shared_system_prompts():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--system-prompts", "3", "--turns", "4", "--system-len", "20"])
+    prompts = workload(args)
+    assert len(prompts) == 12 and all(len(x) == 20 + args.user_len for x in prompts)
+    systems = [tuple(x[:20]) for x in prompts]
+    assert sorted(systems.count(s) for s in set(systems)) == [4, 4, 4]
+    assert len({tuple(x) for x in prompts}) == 12  # every user turn differs
+    assert workload(args) == prompts  # seeded
+
+
+def test_delta_sums_over_daemons():
+    before = [{"a": 1.0}, {"a": 2.0}]
+    after = [{"a": 4.0}, {"a": 3.0, "b": 1.0}]
+    assert delta(after, before, "a") == 4.0 and delta(after, before, "b") == 1.0
