@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_layout import paged_metadata
 
 from pagectl.engine.attention import TorchPagedAttention, select_backend
-from pagectl.engine.attention.metadata import AttentionMetadata
 
 
 def dense_reference(q_rows, keys, values, context_len, scale):
@@ -54,28 +53,7 @@ def make_batch(seqs, block_size, num_blocks, heads, kv_heads, head_dim, seed=0):
         q_parts.append(torch.randn(qlen, heads, head_dim, generator=g))
         k_parts.append(k[ctx:])
         v_parts.append(v[ctx:])
-    q_lens = np.array([q for _, q in seqs])
-    seq_lens = np.array([c + q for c, q in seqs])
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    width = max(len(t) for t in tables)
-    tab = np.full((len(seqs), width), num_blocks, np.int64)
-    for i, t in enumerate(tables):
-        tab[i, : len(t)] = t
-    meta = AttentionMetadata(
-        num_tokens=int(cu[-1]),
-        num_seqs=len(seqs),
-        num_decodes=sum(1 for _, q in seqs if q == 1),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_size=block_size,
-        query_start_loc=torch.from_numpy(cu.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        block_tables=torch.from_numpy(tab.astype(np.int32)),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc_host=cu,
-        seq_lens_host=seq_lens,
-        block_tables_host=tab,
-    )
+    meta = paged_metadata(seqs, tables, slots, num_blocks, block_size)
     return cache, full_k, full_v, torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), meta
 
 

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
+from paged_layout import paged_metadata
 from test_attention import dense_reference
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl.engine.attention import TorchPagedAttention, select_backend
 from pagectl.engine.attention.backend import DecodeGraphBuffers
-from pagectl.engine.attention.metadata import AttentionMetadata
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip(
@@ -72,27 +71,7 @@ def paged_batch(
         qs.append(torch.randn(qlen, heads, head_dim, generator=g))
         ks.append(k[ctx:])
         vs.append(v[ctx:])
-    q_lens = np.array([q for _, q in seqs])
-    seq_lens = np.array([c + q for c, q in seqs])
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    tab = np.full((len(seqs), max(blocks_needed)), num_blocks, np.int64)
-    for i, t in enumerate(tables):
-        tab[i, : len(t)] = t
-    meta = AttentionMetadata(
-        num_tokens=int(cu[-1]),
-        num_seqs=len(seqs),
-        num_decodes=sum(1 for _, q in seqs if q == 1),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_size=block_size,
-        query_start_loc=torch.from_numpy(cu.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        block_tables=torch.from_numpy(tab.astype(np.int32)),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc_host=cu,
-        seq_lens_host=seq_lens,
-        block_tables_host=tab,
-    )
+    meta = paged_metadata(seqs, tables, slots, num_blocks, block_size)
     cat = [torch.cat(x).to(dtype) for x in (qs, ks, vs)]
     return cache.to(dtype), full_k, full_v, *cat, meta
 
