@@ -28,11 +28,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagectl.engine.outputs import TokenLogprobs
+from pagectl.engine.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from pagectl.engine.request import Request
 
 _NEG = -1.0e9
+
+
+# 2 x beam_width candidates per beam are read from the top logprobs, which are capped.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         w = self.beam_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64:
-            raise ValueError(f"beam_width must be an integer in [1, 64], got {w!r}")
+        # Each beam's row carries its 2W most likely next tokens, as top logprobs.
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {w!r}")
         m = self.max_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
