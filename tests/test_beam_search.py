@@ -282,6 +282,10 @@ async def test_http_beam_search_completions_and_chat(make_client):
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
+        # 2W candidates per beam come from the top logprobs (at most 20).
+        ({"n": 11}, "n"),
+        # len ** 1e308 overflows: refused before it reaches the engine's ranking.
+        ({"length_penalty": 1e308}, "length_penalty"),
         ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
         ({"use_beam_search": False, "early_stopping": True}, "early_stopping"),
     ],

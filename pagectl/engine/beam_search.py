@@ -38,6 +38,8 @@ _NEG = -1.0e9
 
 # 2 x beam_width candidates per beam are read from the top logprobs, which are capped.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# |length_penalty| at most this: (2**31 tokens) ** 10 is still far inside float range.
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,17 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
         if self.temperature != 0.0:
             raise ValueError("beam search supports temperature 0 only")
+        lp = self.length_penalty
+        # Bounded so that len ** length_penalty stays a finite float for any length.
+        if (
+            isinstance(lp, bool)
+            or not isinstance(lp, (int, float))
+            or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY
+        ):
+            raise ValueError(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                f"{MAX_LENGTH_PENALTY}], got {lp!r}"
+            )
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(
                 f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"

@@ -162,8 +162,10 @@ def _beam_search(body: dict, spec: GenerationSpec) -> None:
             length_penalty=float(get_number(body, "length_penalty", 1.0)),
             early_stopping=early,
         )
-    except ValueError as e:
-        raise bad_request(str(e), "n") from None
+    except ValueError as e:  # the message starts with the field at fault
+        message = str(e)
+        param = next((f for f in ("length_penalty", "max_tokens") if message.startswith(f)), "n")
+        raise bad_request(message, param) from None
 
 
 def _sampling_kwargs(body: dict) -> dict[str, Any]:
