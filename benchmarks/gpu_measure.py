@@ -9,20 +9,16 @@ from typing import Any
 
 import torch
 
-# Qwen3-0.6B's and Qwen3-8B's shapes; random weights (seed 0).
-QWEN3_06B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-)
+from pagectl.bench.synthetic import SYNTHETIC_MODELS
+
+# Qwen3-0.6B's shape (pagectl's second standard size, with the context this script needs) and
+# Qwen3-8B's; random weights (seed 0).
+QWEN3_06B = {
+    k: v
+    for k, v in SYNTHETIC_MODELS["qwen3-0.6b"].items()
+    if k not in ("model_type", "architectures")
+}
+QWEN3_06B["max_position_embeddings"] = 4096
 QWEN3_8B = dict(
     QWEN3_06B,
     hidden_size=4096,
