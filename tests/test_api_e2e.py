@@ -297,5 +297,5 @@ async def test_abort_many_streams_others_exact_and_kv_returns_to_zero(daemon, cl
     assert st["counters"]["finished_by_reason"].get("abort", 0) >= len(cancel)
     async with aiohttp.ClientSession() as s, s.get(daemon.base_url + "/metrics") as r:
         metrics = await r.text()
-    assert "pagectl:kv_cache_usage_perc 0.0" in metrics
-    assert "pagectl:num_requests_running 0.0" in metrics
+    assert 'pagectl:kv_cache_usage_perc{engine="0"} 0.0' in metrics
+    assert 'pagectl:num_requests_running{engine="0"} 0.0' in metrics

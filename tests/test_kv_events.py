@@ -301,6 +301,6 @@ def test_daemon_publishes_stored_removed_cleared_with_replay(kv_daemon):
         assert replayed[: len(frames) - 1] == [(s, f[2]) for s, f in zip(seqs[1:], frames[1:])]
         with urllib.request.urlopen(d.base_url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        assert "pagectl:kv_events_dropped_total 0.0" in text
+        assert 'pagectl:kv_events_dropped_total{engine="0"} 0.0' in text
     finally:
         sub.close(0)

@@ -76,4 +76,4 @@ async def test_several_names_model_retrieve_and_cors(make_client):
 async def test_preemption_reasons_have_zero_samples_from_the_start(make_client):
     client, engine = await make_client()
     text = await (await client.get("/metrics")).text()
-    assert 'pagectl:num_preemptions_total{reason="kv_blocks"} 0.0' in text
+    assert 'pagectl:num_preemptions_total{engine="0",reason="kv_blocks"} 0.0' in text

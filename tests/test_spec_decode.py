@@ -423,7 +423,9 @@ async def test_metrics_export_the_speculation_counters(make_client):
         values["pagectl:spec_decode_num_accepted_tokens_total"] == c.spec_decode_num_accepted_tokens
     )
     for pos, n in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
-        key = f'pagectl:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'
+        key = (
+            f'pagectl:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{pos}"}}'
+        )
         assert values[key] == n
     plain_metrics = await (await plain_client.get("/metrics")).text()
     assert "spec_decode" not in plain_metrics

@@ -304,7 +304,9 @@ def test_bad_schema_is_400_and_the_daemon_keeps_serving(client, daemon):
     import urllib.request
 
     metrics = urllib.request.urlopen(daemon.base_url + "/metrics").read().decode()
-    compiles = re.search(r"^pagectl:structured_outputs_compiles_total (\S+)$", metrics, re.M)
+    compiles = re.search(
+        r"^pagectl:structured_outputs_compiles_total\{engine=\"0\"\} (\S+)$", metrics, re.M
+    )
     assert compiles and float(compiles.group(1)) >= 1
 
 

@@ -190,6 +190,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let --kv-events-config bind or connect off loopback",
     )
+    d = p.add_argument_group("data parallel (docs/DATA_PARALLEL.md)")
+    d.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine processes behind the API server, each with its own KV cache, scheduler "
+        "and model replica (each of --tensor-parallel-size ranks)",
+    )
+    d.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engines on this node (one node only: equal to --data-parallel-size)",
+    )
+    d.add_argument(
+        "--dp-cpu-threads",
+        type=int,
+        default=None,
+        metavar="T",
+        help="CPU: torch threads per engine, split over its TP ranks (default: the cores "
+        "split evenly between the engines)",
+    )
+    d.add_argument(
+        "--dp-routing",
+        choices=("prefix", "load", "round_robin"),
+        default=None,
+        help="how a request picks its engine: prefix (the engine holding the longest cached "
+        "prefix, per its KV events, within --dp-max-skew; the default), load (the least "
+        "loaded), round_robin",
+    )
+    d.add_argument(
+        "--dp-max-skew",
+        type=int,
+        default=None,
+        metavar="R",
+        help="prefix routing sends a request to a busier engine only while its load exceeds "
+        "the least loaded one's by at most R requests (default 4)",
+    )
+    d.add_argument(
+        "--exit-on-engine-death",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="exit 1 (after draining the others) when any engine dies; default: serve on "
+        "with the survivors, /health reports degraded, exit 1 when the last dies",
+    )
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
@@ -295,6 +344,9 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--{flag.replace('_', '-')} must be >= 0 (0: no timeout)")
     if args.telemetry_hz <= 0 or args.telemetry_hz > 100:
         return fail("--telemetry-hz must be in (0, 100]")
+    dp_error = _check_data_parallel(args)
+    if dp_error:
+        return fail(dp_error)
     # Where the tokenizer will come from, so the API server can load it while the engine
     # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
     builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
@@ -354,5 +406,39 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         telemetry_hz=args.telemetry_hz,
         kv_events_config=kv_events,
+        data_parallel_size=args.data_parallel_size,
+        dp_cpu_threads=args.dp_cpu_threads,
+        dp_routing=args.dp_routing or "prefix",
+        dp_max_skew=4 if args.dp_max_skew is None else args.dp_max_skew,
+        exit_on_engine_death=args.exit_on_engine_death,
     )
     return run_daemon(opts)
+
+
+def _check_data_parallel(args: argparse.Namespace) -> str | None:
+    """What is wrong with the data-parallel flags, or None."""
+    n = args.data_parallel_size
+    if n < 1:
+        return "--data-parallel-size must be >= 1"
+    local = args.data_parallel_size_local
+    if local is not None and local != n:
+        return (
+            f"--data-parallel-size-local {local} differs from --data-parallel-size {n}: "
+            "data parallelism across nodes is not supported (one node runs every engine)"
+        )
+    if n == 1:
+        for flag in ("dp_cpu_threads", "dp_routing", "dp_max_skew"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                return f"{name} needs --data-parallel-size > 1"
+        return None
+    if args.dp_cpu_threads is not None:
+        if args.dp_cpu_threads < 1:
+            return "--dp-cpu-threads must be >= 1"
+        if args.num_threads is not None:
+            return "give --dp-cpu-threads (per engine) or --num-threads (per rank), not both"
+        if args.device.startswith("cuda"):
+            return "--dp-cpu-threads applies to CPU engines only"
+    if args.dp_max_skew is not None and args.dp_max_skew < 0:
+        return "--dp-max-skew must be >= 0"
+    return None

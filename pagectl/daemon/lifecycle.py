@@ -7,7 +7,11 @@ Life cycle:
 2. Start the app: its cleanup_ctx spawns the engine process and waits for the handshake.
 3. Listen on HTTP, then write the runtime file (so finders only see a daemon that serves).
 4. Until SIGTERM/SIGINT: serve. If the engine dies, in-flight requests get an error,
-   /health answers 503 for a short grace period, and the daemon exits 1.
+   /health answers 503 for a short grace period, and the daemon exits 1. With N > 1
+   data-parallel engines (``--data-parallel-size``), one engine dying fails only the
+   requests it held; the others serve on (/health: 200 "degraded") until the last dies
+   (exit 1), or, with ``--exit-on-engine-death``, the daemon drains the survivors and
+   exits 1 (docs/DATA_PARALLEL.md says why serving on is the default).
 5. On SIGTERM/SIGINT: drain. New requests get 503; in-flight ones run to completion for at
    most ``drain_timeout`` seconds, then are aborted; the engine is shut down and the daemon
    exits 0. A second signal skips the rest of the drain: every in-flight request ends with
@@ -28,11 +32,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pagectl.control.protocol import RuntimeInfo
+from pagectl.control.protocol import EngineEndpoints, RuntimeInfo
 from pagectl.control.runtime import DaemonDir, loopback_only
+from pagectl.daemon.dp import engine_args_for_rank, kv_events_for_rank, rank_endpoint, wants_cuda
 from pagectl.engine.args import EngineArgs
 from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
+from pagectl.engine_process.dp_client import DPEngineClient
 from pagectl.engine_process.main import EngineProcConfig
+from pagectl.routing.policy import RoutingPolicy
 from pagectl.server.app import create_app
 from pagectl.server.connections import GuardedAppRunner
 from pagectl.server.state import STATE, ServerSettings
@@ -61,6 +68,15 @@ class DaemonOptions:
     telemetry_hz: float = 10.0
     # ``--kv-events-config`` as parsed (vLLM's KVEventsConfig fields), or None.
     kv_events_config: dict | None = None
+    # Data parallelism (docs/DATA_PARALLEL.md): engine processes behind the API server.
+    data_parallel_size: int = 1
+    # CPU threads per engine (None: an even split of the cores).
+    dp_cpu_threads: int | None = None
+    # Routing policy among the engines (prefix | load | round_robin) and its skew bound.
+    dp_routing: str = "prefix"
+    dp_max_skew: int = 4
+    # Exit (after draining the survivors) when any engine dies, not only the last.
+    exit_on_engine_death: bool = False
 
 
 def _say(msg: str) -> None:
@@ -70,10 +86,17 @@ def _say(msg: str) -> None:
 class _Lifecycle:
     """Signals and engine death -> one stop event and the exit status."""
 
-    def __init__(self, state, engine: EngineClient, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        state,
+        engine: EngineClient | DPEngineClient,
+        drain_timeout: float,
+        exit_on_engine_death: bool = False,
+    ) -> None:
         self.state = state
         self.engine = engine
         self.drain_timeout = drain_timeout
+        self.exit_on_engine_death = exit_on_engine_death
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._drain_task: asyncio.Task | None = None
@@ -100,6 +123,24 @@ class _Lifecycle:
         _say(f"engine died: {reason}; exiting")
         self.exit_code = 1
         asyncio.get_running_loop().call_later(DEAD_GRACE_S, self.stop.set)
+
+    def on_one_engine_dead(self, index: int, reason: str) -> None:
+        """One of N data-parallel engines died (its requests already failed)."""
+        engine = self.engine
+        assert isinstance(engine, DPEngineClient)
+        alive, n = engine.num_alive, len(engine.engines)
+        if alive == 0:
+            return  # on_engine_dead stops the daemon
+        if self.exit_on_engine_death:
+            _say(
+                f"engine {index} died: {reason}; draining the other {alive} and exiting "
+                "(--exit-on-engine-death)"
+            )
+            self.exit_code = 1
+            if self._drain_task is None:
+                self._drain_task = asyncio.create_task(self._drain())
+        else:
+            _say(f"engine {index} died: {reason}; serving on {alive} of {n} engines (degraded)")
 
     async def _drain(self) -> None:
         state = self.state
@@ -128,22 +169,11 @@ async def serve(opts: DaemonOptions) -> int:
         loopback_only(tel)
         loopback_only(ctl)
         ddir.create_token()
-        engine = EngineClient(
-            EngineProcConfig(
-                engine_args=opts.engine_args,
-                engine_factory=opts.engine_factory,
-                input_endpoint="",
-                output_endpoint="",
-                telemetry_endpoint=tel,
-                control_endpoint=ctl,
-                token_file=str(ddir.token_file),
-                audit_file=str(ddir.audit_file),
-                telemetry_hz=opts.telemetry_hz,
-                kv_events_config=opts.kv_events_config,
-            ),
-            input_endpoint=ddir.endpoint("engine-in"),
-            output_endpoint=ddir.endpoint("engine-out"),
-        )
+        try:
+            engine = _engines(opts, ddir, tel, ctl)
+        except ValueError as e:
+            _say(str(e))
+            return 2
         app = create_app(opts.server, engine)
         runner = GuardedAppRunner(
             app,
@@ -176,10 +206,57 @@ async def serve(opts: DaemonOptions) -> int:
         ddir.remove()
 
 
-async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: EngineClient) -> int:
+def _engines(
+    opts: DaemonOptions, ddir: DaemonDir, tel: str, ctl: str
+) -> EngineClient | DPEngineClient:
+    """The engine client: one engine process, or N behind a ``DPEngineClient``."""
+    n = opts.data_parallel_size
+
+    def client(rank: int, args: EngineArgs, kv_events: dict | None) -> EngineClient:
+        suffix = f"-{rank}" if n > 1 else ""
+        return EngineClient(
+            EngineProcConfig(
+                engine_args=args,
+                engine_factory=opts.engine_factory,
+                input_endpoint="",
+                output_endpoint="",
+                telemetry_endpoint=rank_endpoint(tel, rank),
+                control_endpoint=rank_endpoint(ctl, rank),
+                token_file=str(ddir.token_file),
+                audit_file=str(ddir.audit_file),
+                telemetry_hz=opts.telemetry_hz,
+                kv_events_config=kv_events,
+                data_parallel_rank=rank,
+            ),
+            input_endpoint=ddir.endpoint(f"engine-in{suffix}"),
+            output_endpoint=ddir.endpoint(f"engine-out{suffix}"),
+        )
+
+    if n == 1:
+        return client(0, opts.engine_args, opts.kv_events_config)
+    cuda = wants_cuda(opts.engine_args.device)
+    engines, follow = [], []
+    for rank in range(n):
+        args = engine_args_for_rank(
+            opts.engine_args, rank, n, cpu_threads=opts.dp_cpu_threads, cuda=cuda
+        )
+        private = None
+        if opts.dp_routing == "prefix":
+            private = (ddir.endpoint(f"kv-events-{rank}"), ddir.endpoint(f"kv-replay-{rank}"))
+        kv_cfg, followed = kv_events_for_rank(opts.kv_events_config, rank, private)
+        engines.append(client(rank, args, kv_cfg))
+        follow.append(followed)
+    return DPEngineClient(engines, RoutingPolicy(opts.dp_routing, opts.dp_max_skew), follow)
+
+
+async def _run(
+    opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: EngineClient | DPEngineClient
+) -> int:
     state = app[STATE]
-    life = _Lifecycle(state, engine, opts.drain_timeout)
+    life = _Lifecycle(state, engine, opts.drain_timeout, opts.exit_on_engine_death)
     engine.on_dead.append(life.on_engine_dead)
+    if isinstance(engine, DPEngineClient):
+        engine.on_engine_dead.append(life.on_one_engine_dead)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, life.on_signal, sig.name)
@@ -205,10 +282,15 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
             tp_size=ready.model_info.tp_size,
             audit_file=str(ddir.audit_file),
             tokenizer_path=ready.tokenizer_path or "",
+            engines=_endpoints(engine),
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
-    if engine.dead is not None:  # died between handshake and now
+    if isinstance(engine, DPEngineClient):  # died between handshake and now
+        for i, one in enumerate(engine.engines):
+            if one.dead is not None:
+                life.on_one_engine_dead(i, one.dead)
+    if engine.dead is not None:
         life.on_engine_dead(engine.dead)
     await life.stop.wait()
     with contextlib.suppress(OSError):
@@ -216,6 +298,22 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     return life.exit_code
+
+
+def _endpoints(engine: EngineClient | DPEngineClient) -> list[EngineEndpoints]:
+    if not isinstance(engine, DPEngineClient):
+        return []
+    out = []
+    for i, e in enumerate(engine.engines):
+        assert e.ready is not None
+        out.append(
+            EngineEndpoints(
+                index=i,
+                telemetry_endpoint=e.ready.telemetry_endpoint,
+                control_endpoint=e.ready.control_endpoint,
+            )
+        )
+    return out
 
 
 def run(opts: DaemonOptions) -> int:

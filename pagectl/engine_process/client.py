@@ -61,14 +61,23 @@ class EngineClientProtocol(Protocol):
 
     # The engine's handshake, once started.
     ready: wire.EngineReady | None
-    # The latest figures from the engine (for /metrics and /health), once it sent any.
-    stats: wire.EngineStats | None
+
+    @property
+    def stats(self) -> wire.EngineStats | None:
+        """The latest figures from the engine (engine 0's under data parallelism), once it
+        sent any."""
+        ...
+
     # Why the engine is dead, or None while it lives.
     dead: str | None
 
     @property
     def num_unstarted(self) -> int:
         """Submitted requests with no output yet: queued for admission or prefilling."""
+        ...
+
+    def engine_stats(self) -> list[wire.EngineStats | None]:
+        """The latest figures of each engine, by data-parallel rank (one for one engine)."""
         ...
 
     async def start(self) -> wire.EngineReady:
@@ -272,6 +281,9 @@ class EngineClient(OutputRouter):
                 sock.close(linger=0)
         self.ctx.term()
         return rc
+
+    def engine_stats(self) -> list[wire.EngineStats | None]:
+        return [self.stats]
 
     # -- requests -----------------------------------------------------------------------
 

@@ -172,7 +172,9 @@ def check_endpoint(endpoint: str, allow_remote: bool) -> None:
         )
 
 
-def _should_bind(endpoint: str) -> bool:
+def should_bind(endpoint: str) -> bool:
+    """Whether the publisher binds ``endpoint`` (ipc://, loopback or wildcard tcp://) rather
+    than connecting out to a subscriber that binds."""
     if not endpoint.startswith("tcp://"):
         return True
     host = _host(endpoint)
@@ -229,7 +231,7 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
-            if _should_bind(cfg.endpoint):
+            if should_bind(cfg.endpoint):
                 self._pub.bind(cfg.endpoint)
             else:
                 self._pub.connect(cfg.endpoint)

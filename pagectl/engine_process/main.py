@@ -84,6 +84,9 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     telemetry_hz: float = 10.0
     # ``--kv-events-config`` (vLLM's KVEventsConfig fields, checked by the daemon), or None.
     kv_events_config: dict[str, Any] | None = None
+    # This engine's data-parallel rank (0..N-1; 0 for a daemon of one engine): carried in
+    # its KV-event batches.
+    data_parallel_rank: int = 0
 
 
 def _read_line(fd: int) -> bytes:
@@ -196,7 +199,12 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
 
                 kv_cfg = msgspec.convert(cfg.kv_events_config, KVEventsConfig)
                 if kv_cfg.active:
-                    kv_pub = KVEventPublisher(kv_cfg, built.core.block_size, ctx=ctx)
+                    kv_pub = KVEventPublisher(
+                        kv_cfg,
+                        built.core.block_size,
+                        data_parallel_rank=cfg.data_parallel_rank,
+                        ctx=ctx,
+                    )
         except Exception as e:  # report any start-up failure to the daemon
             traceback.print_exc()
             send(wire.EngineStartFailed(f"{type(e).__name__}: {e}"))

@@ -195,7 +195,7 @@ def create_app(settings: ServerSettings, engine: EngineClientProtocol) -> web.Ap
         middlewares=[cors_middleware, error_middleware, auth_middleware],
         client_max_size=settings.max_body_size,
     )
-    state = ServerState(settings, engine, Metrics(lambda: engine.stats))
+    state = ServerState(settings, engine, Metrics(engine.engine_stats))
     state.idle.set()
     app[STATE] = state
     register_admission_gauges(state.metrics.registry, state)

@@ -1,14 +1,16 @@
 """Prometheus metrics (``GET /metrics``). Names and meanings are listed in docs/METRICS.md.
 
 Engine figures (requests, KV usage, prefix cache, preemptions, token totals) are read at
-scrape time from the latest ``EngineStats`` the engine sent (at most 100 ms old), so they are
-the engine's own counters, never re-counted here. Latency histograms and finish reasons are
+scrape time from the latest ``EngineStats`` each engine sent (at most 100 ms old), so they
+are the engines' own counters, never re-counted here; every such series carries an
+``engine`` label, the engine's data-parallel rank ("0" for a daemon of one engine), as
+vLLM's do. Latency histograms and finish reasons are
 observed in the API server, which sees every token arrive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -97,123 +99,163 @@ E2E_BUCKETS = (
 
 
 class _EngineCollector:
-    """Gauges and counters taken from the engine's latest stats at scrape time."""
+    """Gauges and counters taken from each engine's latest stats at scrape time, one series
+    per engine with its data-parallel rank as the ``engine`` label (as vLLM's)."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, get_stats: Callable[[], Sequence[EngineStats | None]]) -> None:
         self.get_stats = get_stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self.get_stats()
-        if s is None:
+        engines = [(str(i), s) for i, s in enumerate(self.get_stats()) if s is not None]
+        if not engines:
             return
-        c = s.counters
-        yield _gauge(
-            "pagectl:num_requests_running", "Sequences running in the engine.", s.num_running
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+        def put(
+            kind: type[GaugeMetricFamily | CounterMetricFamily],
+            name: str,
+            doc: str,
+            engine: str,
+            value: float,
+        ) -> None:
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = kind(name, doc, labels=["engine"])
+            fam.add_metric([engine], value)
+
+        pre = CounterMetricFamily(
+            "pagectl:num_preemptions", "Preemptions by reason.", labels=["engine", "reason"]
         )
-        yield _gauge(
-            "pagectl:num_requests_waiting", "Sequences waiting for admission.", s.num_waiting
-        )
-        yield _gauge(
+        for engine, s in engines:
+            for kind, name, doc, value in _engine_series(s):
+                put(kind, name, doc, engine, value)
+            # Every known reason from the start (0), so rate() works before the first one.
+            by_reason = {reason: 0 for reason in PREEMPTION_REASONS}
+            by_reason.update(s.counters.preemptions_by_reason)
+            for reason, n in sorted(by_reason.items()):
+                pre.add_metric([engine, reason], n)
+        yield from families.values()
+        yield pre
+        spec = [(e, s) for e, s in engines if s.config.get("speculative_method", "none") != "none"]
+        if spec:
+            yield from _spec_decode_metrics(spec)
+
+
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+
+
+def _engine_series(s: EngineStats) -> list[tuple[type, str, str, float]]:
+    """(family type, name, help, value) of one engine's plain series."""
+    c = s.counters
+    return [
+        (_G, "pagectl:num_requests_running", "Sequences running in the engine.", s.num_running),
+        (_G, "pagectl:num_requests_waiting", "Sequences waiting for admission.", s.num_waiting),
+        (
+            _G,
             "pagectl:kv_cache_usage_perc",
             "Fraction of KV blocks in use (refcount > 0), 0-1.",
             s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0,
-        )
-        yield _gauge(
+        ),
+        (
+            _G,
             "pagectl:kv_cache_token_usage_perc",
             "Fraction of KV token slots holding live tokens, 0-1.",
             s.num_used_token_slots / s.num_token_slots if s.num_token_slots else 0.0,
-        )
-        yield _counter(
+        ),
+        (
+            _C,
             "pagectl:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache at first admission.",
             c.prefix_queries,
-        )
-        yield _counter(
-            "pagectl:prefix_cache_hits", "Prompt tokens served by the prefix cache.", c.prefix_hits
-        )
-        pre = CounterMetricFamily(
-            "pagectl:num_preemptions", "Preemptions by reason.", labels=["reason"]
-        )
-        # Every known reason from the start (0), so rate() works before the first one.
-        by_reason = {reason: 0 for reason in PREEMPTION_REASONS}
-        by_reason.update(c.preemptions_by_reason)
-        for reason, value in sorted(by_reason.items()):
-            pre.add_metric([reason], value)
-        yield pre
-        yield _counter(
+        ),
+        (
+            _C,
+            "pagectl:prefix_cache_hits",
+            "Prompt tokens served by the prefix cache.",
+            c.prefix_hits,
+        ),
+        (
+            _C,
             "pagectl:prompt_tokens",
             "Prompt tokens prefilled by the engine (prefix-cache hits excluded).",
             c.prompt_tokens,
-        )
-        yield _counter("pagectl:generation_tokens", "Tokens generated.", c.generation_tokens)
-        yield _counter(
+        ),
+        (_C, "pagectl:generation_tokens", "Tokens generated.", c.generation_tokens),
+        (
+            _C,
             "pagectl:structured_outputs_compiles",
             "Grammars compiled for structured outputs (cache misses).",
             c.grammar_compiles,
-        )
-        yield _counter(
+        ),
+        (
+            _C,
             "pagectl:structured_outputs_compile_seconds",
             "Seconds spent compiling grammars (on the compile thread, off the engine step).",
             c.grammar_compile_seconds,
-        )
-        yield _counter(
+        ),
+        (
+            _C,
             "pagectl:structured_outputs_cache_hits",
             "Constrained requests served by the compiled-grammar cache.",
             c.grammar_cache_hits,
-        )
-        yield _counter(
+        ),
+        (
+            _C,
             "pagectl:kv_events_published",
             "KV-event batches sent (--kv-events-config).",
             s.kv_events_published,
-        )
-        yield _counter(
+        ),
+        (
+            _C,
             "pagectl:kv_events_dropped",
             "KV-event batches dropped because the publisher's queue was full.",
             s.kv_events_dropped,
-        )
-        if s.config.get("speculative_method", "none") != "none":
-            yield from _spec_decode_metrics(c)
+        ),
+    ]
 
 
-def _spec_decode_metrics(c) -> Iterator[Metric]:
+def _spec_decode_metrics(engines: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
     """Speculative decoding counters, named as vLLM's (only when it is configured)."""
-    yield _counter(
-        "pagectl:spec_decode_num_drafts",
-        "Verifications run (one per sequence per step with proposals).",
-        c.spec_decode_num_drafts,
-    )
-    yield _counter(
-        "pagectl:spec_decode_num_draft_tokens",
-        "Tokens proposed.",
-        c.spec_decode_num_draft_tokens,
-    )
-    yield _counter(
-        "pagectl:spec_decode_num_accepted_tokens",
-        "Proposed tokens accepted.",
-        c.spec_decode_num_accepted_tokens,
-    )
+    fams = [
+        _C(
+            "pagectl:spec_decode_num_drafts",
+            "Verifications run (one per sequence per step with proposals).",
+            labels=["engine"],
+        ),
+        _C("pagectl:spec_decode_num_draft_tokens", "Tokens proposed.", labels=["engine"]),
+        _C(
+            "pagectl:spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted.",
+            labels=["engine"],
+        ),
+    ]
     per_pos = CounterMetricFamily(
         "pagectl:spec_decode_num_accepted_tokens_per_pos",
         "Accepted proposals by position in the proposed run (0: the first).",
-        labels=["position"],
+        labels=["engine", "position"],
     )
-    for pos, value in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
-        per_pos.add_metric([str(pos)], value)
+    for engine, s in engines:
+        c = s.counters
+        for fam, value in zip(
+            fams,
+            (
+                c.spec_decode_num_drafts,
+                c.spec_decode_num_draft_tokens,
+                c.spec_decode_num_accepted_tokens,
+            ),
+            strict=True,
+        ):
+            fam.add_metric([engine], value)
+        for pos, value in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([engine, str(pos)], value)
+    yield from fams
     yield per_pos
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:
     """One registry per server (never the global one), so several apps can live in a process."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, get_stats: Callable[[], Sequence[EngineStats | None]]) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
         self.request_success = Counter(
             "pagectl:request_success",

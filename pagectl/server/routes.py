@@ -65,6 +65,9 @@ async def health(request: web.Request) -> web.Response:
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     limit = state.settings.health_stall_timeout
+    engines = getattr(state.engine, "engines", None)  # data parallel: DPEngineClient
+    if engines is not None:
+        return _dp_health(engines, limit)
     heard = getattr(state.engine, "last_heard", None)  # None: an in-process engine
     if limit > 0 and heard:
         silent = time.monotonic() - heard
@@ -76,6 +79,31 @@ async def health(request: web.Request) -> web.Response:
                 code="engine_stalled",
             )
     return web.Response(status=200)
+
+
+def _dp_health(engines: list, limit: float) -> web.Response:
+    """N data-parallel engines: 200 ``{"status": "ok" | "degraded", "engines": [...]}`` while
+    one serves; 503 when none does (dead, or silent past --health-stall-timeout)."""
+    now = time.monotonic()
+    rows = []
+    for i, e in enumerate(engines):
+        if e.dead is not None:
+            rows.append({"index": i, "state": "dead", "reason": e.dead})
+        elif limit > 0 and e.last_heard and now - e.last_heard > limit:
+            silent = f"no answer for {now - e.last_heard:.1f}s (limit {limit:g}s)"
+            rows.append({"index": i, "state": "stalled", "reason": silent})
+        else:
+            rows.append({"index": i, "state": "ok"})
+    serving = sum(r["state"] == "ok" for r in rows)
+    if not serving:
+        raise APIError(
+            503,
+            "no engine is serving: "
+            + "; ".join(f"engine {r['index']} {r['state']}: {r['reason']}" for r in rows),
+            code="engine_dead",
+        )
+    status = "ok" if serving == len(rows) else "degraded"
+    return web.json_response({"status": status, "engines": rows})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -37,6 +37,9 @@ class InProcessEngine(OutputRouter):
         self._task: asyncio.Task | None = None
         self.aborted: list[str] = []
 
+    def engine_stats(self) -> list[wire.EngineStats | None]:
+        return [self.stats]
+
     def _update_stats(self) -> None:
         self.stats = engine_stats(self.core.snapshot())
 
