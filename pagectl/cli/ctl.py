@@ -32,6 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--token-file", default=None, help="control token file (with --control-endpoint)"
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    p.add_argument(
+        "--engine",
+        type=int,
+        default=None,
+        metavar="I",
+        help="a data-parallel daemon: send the command to engine I only (default: to every "
+        "engine; `watch` follows engine 0)",
+    )
     sub = p.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
     from pagectl.cli.ls import add_ls_options
 
@@ -181,7 +189,7 @@ def _format_result(name: str, result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagectl.control.client import AdminClient, AdminError, default_client_name
+    from pagectl.control.client import AdminClient, AdminError
     from pagectl.control.runtime import RuntimeNotFound, read_token
     from pagectl.control.selection import AmbiguousRuntime, select_runtime
 
@@ -199,8 +207,13 @@ def run(args: argparse.Namespace) -> int:
             "--url/--port/--pid",
             EXIT_USAGE,
         )
+    info = None
+    targets: list[tuple[int | None, str, str | None]]
     if args.control_endpoint:
-        endpoint = args.control_endpoint
+        if args.engine is not None:
+            msg = "--engine chooses among the runtime file's engines: drop --control-endpoint"
+            return err(msg, EXIT_USAGE)
+        targets = [(None, args.control_endpoint, None)]
         token = read_token(args.token_file) if args.token_file else None
         token_src = args.token_file
     else:
@@ -210,21 +223,49 @@ def run(args: argparse.Namespace) -> int:
             return err(str(e), EXIT_USAGE)
         except RuntimeNotFound as e:
             return err(str(e), EXIT_UNREACHABLE)
+        try:
+            targets = engine_targets(info, args.engine)
+        except ValueError as e:
+            return err(str(e), EXIT_USAGE)
         if args.ctl_command == "log":
             return _print_log(info, args)
         if args.ctl_command == "watch":
             from pagectl.cli.snapshot_out import watch
 
-            return watch(info.telemetry_endpoint, args.interval, args.count, args.timeout)
-        endpoint, token, token_src = (
-            info.control_endpoint,
-            read_token(info.token_file),
-            info.token_file,
-        )
+            telemetry = targets[0][2]
+            assert telemetry is not None
+            return watch(telemetry, args.interval, args.count, args.timeout)
+        token, token_src = read_token(info.token_file), info.token_file
     if token is None:
         return err(
             f"cannot read the control token ({token_src or 'no --token-file'})", EXIT_UNREACHABLE
         )
+    if len(targets) == 1:
+        return _one(args, info, targets[0], token, AdminClient, AdminError, err)
+    return _each(args, info, targets, token, AdminClient, AdminError, err)
+
+
+def engine_targets(info, engine: int | None) -> list[tuple[int | None, str, str | None]]:
+    """(engine index or None, control endpoint, telemetry endpoint) of each engine the
+    command goes to: ``engine`` only, or every engine of a data-parallel daemon."""
+    if not info.engines:
+        if engine not in (None, 0):
+            raise ValueError(f"--engine {engine}: this daemon runs one engine (0)")
+        return [(None, info.control_endpoint, info.telemetry_endpoint)]
+    rows = [(e.index, e.control_endpoint, e.telemetry_endpoint) for e in info.engines]
+    if engine is None:
+        return rows
+    for row in rows:
+        if row[0] == engine:
+            return [row]
+    raise ValueError(f"--engine {engine}: this daemon runs engines 0..{len(rows) - 1}")
+
+
+def _one(args, info, target, token, AdminClient, AdminError, err) -> int:
+    """The command to one engine, its answer printed as without data parallelism."""
+    from pagectl.control.client import default_client_name
+
+    _, endpoint, telemetry = target
     with AdminClient(endpoint, token, client_name=default_client_name("ctl")) as client:
         try:
             result = client.command(_command(args), timeout=args.timeout)
@@ -234,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
             return err(f"refused ({e.kind}): {e.message}", EXIT_REFUSED)
         name = args.ctl_command
         if name == "status":
-            telemetry = None if args.control_endpoint else info.telemetry_endpoint
             secs = args.window if args.window is not None else (0.0 if args.json else 3.0)
             found = _verdicts(telemetry, secs) if telemetry and secs > 0 else None
             if args.json:
@@ -248,12 +288,43 @@ def run(args: argparse.Namespace) -> int:
             if found is not None:
                 print(format_verdicts(found, secs))
             return 0
-        if name == "inspect-block" and not args.control_endpoint and info.tokenizer_path:
+        if name == "inspect-block" and info is not None and info.tokenizer_path:
             result["text"] = _detokenize(info.tokenizer_path, result.get("token_ids") or [])
         print(_format_result(name, result), flush=True)
         if name == "set" and args.drain and result.get("name") == "max_num_seqs":
             return _wait_for_drain(client, int(result["new"]), args)
     return 0
+
+
+def _each(args, info, targets, token, AdminClient, AdminError, err) -> int:
+    """The command to every engine of a data-parallel daemon, in rank order: each answer
+    under an ``engine I`` heading (``status --json``: ``{"engines": [...]}``). Exit 0 when
+    every engine did it, except ``abort``: 0 when the engine holding the request did."""
+    from pagectl.control.client import default_client_name
+
+    name = args.ctl_command
+    codes, rows = [], []
+    for index, endpoint, telemetry in targets:
+        if not (args.json and name == "status"):
+            print(f"engine {index}", flush=True)
+        if name != "status" or not args.json:
+            target = (index, endpoint, telemetry)
+            codes.append(_one(args, info, target, token, AdminClient, AdminError, err))
+            continue
+        with AdminClient(endpoint, token, client_name=default_client_name("ctl")) as client:
+            try:
+                rows.append(
+                    {"engine": index, **client.command(_command(args), timeout=args.timeout)}
+                )
+                codes.append(0)
+            except AdminError as e:
+                codes.append(EXIT_UNREACHABLE if e.kind == "timeout" else EXIT_REFUSED)
+                err(f"engine {index}: refused ({e.kind}): {e.message}", 0)
+    if rows or (args.json and name == "status"):
+        print(json.dumps({"engines": rows}, indent=2, sort_keys=True))
+    if name == "abort":
+        return 0 if 0 in codes else max(codes)
+    return max(codes)
 
 
 def _detokenize(path: str, ids: list[int]) -> str | None:

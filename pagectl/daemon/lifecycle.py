@@ -37,7 +37,7 @@ from pagectl.control.runtime import DaemonDir, loopback_only
 from pagectl.daemon.dp import engine_args_for_rank, kv_events_for_rank, rank_endpoint, wants_cuda
 from pagectl.engine.args import EngineArgs
 from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
-from pagectl.engine_process.dp_client import DPEngineClient
+from pagectl.engine_process.dp_client import DPCollector, DPEngineClient
 from pagectl.engine_process.main import EngineProcConfig
 from pagectl.routing.policy import RoutingPolicy
 from pagectl.server.app import create_app
@@ -175,6 +175,8 @@ async def serve(opts: DaemonOptions) -> int:
             _say(str(e))
             return 2
         app = create_app(opts.server, engine)
+        if isinstance(engine, DPEngineClient):
+            app[STATE].metrics.registry.register(DPCollector(engine))
         runner = GuardedAppRunner(
             app,
             opts.server.connection_limits,

@@ -30,7 +30,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
 
@@ -45,6 +46,9 @@ from pagectl.engine_process.client import (
     OutputQueue,
 )
 from pagectl.routing.policy import RoutingPolicy, TargetLoad
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("pagectl.dp")
 
@@ -243,3 +247,33 @@ class DPEngineClient:
     def engine_of(self, request_id: str) -> int | None:
         """The engine holding ``request_id`` (None: not routed, or released)."""
         return self._owner.get(request_id)
+
+
+class DPCollector:
+    """The dispatcher's own series on /metrics: routing decisions by engine and reason, and
+    whether each engine is alive."""
+
+    def __init__(self, client: DPEngineClient) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.client
+        decisions = CounterMetricFamily(
+            "pagectl:dp_routing_decisions",
+            "Requests sent to each data-parallel engine, by reason (prefix, load, "
+            "round_robin, skew: a prefix choice refused by the skew bound).",
+            labels=["engine", "reason"],
+        )
+        for (i, reason), n in sorted(c.decisions.items()):
+            decisions.add_metric([str(i), reason], n)
+        yield decisions
+        alive = GaugeMetricFamily(
+            "pagectl:dp_engine_alive",
+            "1 while the engine process serves, 0 once dead.",
+            labels=["engine"],
+        )
+        for i, e in enumerate(c.engines):
+            alive.add_metric([str(i)], 1.0 if e.dead is None else 0.0)
+        yield alive
