@@ -1,4 +1,5 @@
-"""The routing policy: one choice among live targets (daemons behind ``pagectl route``).
+"""The routing policy: one choice among live targets (daemons behind ``pagectl route``, the
+engines of a ``--data-parallel-size`` daemon).
 
 Inputs per target (``TargetLoad``): requests it reports running + waiting, requests the router
 has sent it and not seen finish, KV usage; and the request's chain block hashes against the
