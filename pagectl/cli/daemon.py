@@ -239,6 +239,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="exit 1 (after draining the others) when any engine dies; default: serve on "
         "with the survivors, /health reports degraded, exit 1 when the last dies",
     )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning"),
+        help="the API server's log level (debug: every data-parallel routing decision's inputs)",
+    )
     p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
 
@@ -411,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
         dp_routing=args.dp_routing or "prefix",
         dp_max_skew=4 if args.dp_max_skew is None else args.dp_max_skew,
         exit_on_engine_death=args.exit_on_engine_death,
+        log_level=args.log_level,
     )
     return run_daemon(opts)
 

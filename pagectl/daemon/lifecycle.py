@@ -77,6 +77,8 @@ class DaemonOptions:
     dp_max_skew: int = 4
     # Exit (after draining the survivors) when any engine dies, not only the last.
     exit_on_engine_death: bool = False
+    # The API server's log level ("debug" logs every routing decision's inputs).
+    log_level: str = "info"
 
 
 def _say(msg: str) -> None:
@@ -319,5 +321,7 @@ def _endpoints(engine: EngineClient | DPEngineClient) -> list[EngineEndpoints]:
 
 
 def run(opts: DaemonOptions) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     return asyncio.run(serve(opts))
