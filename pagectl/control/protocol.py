@@ -63,6 +63,15 @@ class ControlReply(msgspec.Struct, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+class EngineEndpoints(msgspec.Struct, kw_only=True):
+    """One data-parallel engine's admin endpoints."""
+
+    # Data-parallel rank of the engine (0..N-1).
+    index: int
+    telemetry_endpoint: str
+    control_endpoint: str
+
+
 class RuntimeInfo(msgspec.Struct, kw_only=True):
     """Contents of the daemon's runtime file (JSON)."""
 
@@ -85,6 +94,9 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     # Where clients load the model's tokenizer to show token ids as text ("" when the model
     # has none).
     tokenizer_path: str = ""
+    # One entry per engine when N > 1; empty for a single engine, whose endpoints stay in
+    # the top-level fields.
+    engines: list[EngineEndpoints] = []
     version: int = PROTOCOL_VERSION
 
 
