@@ -59,6 +59,9 @@ def test_a_hot_prefix_names_the_engine_and_its_hit_rate(tmp_path):
     assert v.message.startswith("engine 0 is hot: ")
     assert f"a hot prefix: {hot.hit_rate:.0%} prefix hit rate, " in v.message
     assert "% of new requests" in v.message
+    assert v.summary == f"engine 0 is hot: a hot prefix ({hot.hit_rate:.0%} hit rate, " + (
+        v.message.split("prefix hit rate, ")[1].split(" of new")[0] + " of new requests)"
+    )
 
 
 def test_a_smaller_pool_is_named_with_both_sizes(tmp_path):

@@ -131,6 +131,9 @@ class SkewVerdict(Verdict):
     coolest: str = ""
     # "hot_prefix", "smaller_pool", "running_cap" or "queue".
     cause: str = ""
+    # The finding in a few words, for a narrow terminal ("engine 0 is hot: a hot prefix
+    # (88% hit rate, 80% of new requests)").
+    summary: str = ""
 
 
 def _pct(x: float | None) -> str:
@@ -153,8 +156,8 @@ def skew_rule(histories: Mapping[str, Sequence[TelemetrySnapshot]]) -> SkewVerdi
         return None
     others = [r for r in stats if r is not hot]
     lead = (
-        f"{hot.label} is hot: {hot.mean_load:.0f} running+waiting against "
-        f"{cool.mean_load:.0f} on {cool.label}"
+        f"{hot.label} is hot: {hot.mean_load:.0f} requests running or waiting on average "
+        f"against {cool.mean_load:.0f} on {cool.label}"
     )
     total = sum(r.arrivals for r in stats)
     share = hot.arrivals / total if total else 0.0
@@ -166,18 +169,21 @@ def skew_rule(histories: Mapping[str, Sequence[TelemetrySnapshot]]) -> SkewVerdi
         and share >= HOT_SHARE_FACTOR / len(stats)
     ):
         cause, knob = "hot_prefix", "max-skew"
+        short = f"a hot prefix ({_pct(hot.hit_rate)} hit rate, {share:.0%} of new requests)"
         why = (
             f"a hot prefix: {_pct(hot.hit_rate)} prefix hit rate, {share:.0%} of new requests "
             "— lower the routing skew bound (max-skew) to spread it"
         )
     elif hot.num_blocks <= SMALL_POOL * biggest.num_blocks:
         cause, knob = "smaller_pool", "kv-cache-memory"
+        short = f"a smaller pool ({hot.num_blocks} blocks against {biggest.num_blocks})"
         why = (
             f"a smaller pool: {hot.num_blocks} blocks against {biggest.num_blocks} on "
             f"{biggest.label} (KV {_pct(hot.kv_usage)} used) — give it more --kv-cache-memory"
         )
     elif hot.max_num_seqs < widest.max_num_seqs:
         cause, knob = "running_cap", "max-num-seqs"
+        short = f"a lower running cap ({hot.max_num_seqs} against {widest.max_num_seqs})"
         why = (
             f"a lower running cap: max-num-seqs {hot.max_num_seqs} against "
             f"{widest.max_num_seqs} on {widest.label} — raise it"
@@ -185,8 +191,17 @@ def skew_rule(histories: Mapping[str, Sequence[TelemetrySnapshot]]) -> SkewVerdi
     else:
         cause, knob = "queue", "routing"
         shortest = min(others, key=lambda r: r.num_waiting)
+        short = f"a longer queue ({hot.num_waiting} waiting against {shortest.num_waiting})"
         why = (
             f"a longer queue: {hot.num_waiting} waiting against {shortest.num_waiting} on "
             f"{shortest.label} — route by load"
         )
-    return SkewVerdict("skew", knob, f"{lead} — {why}", hot.label, cool.label, cause)
+    return SkewVerdict(
+        "skew",
+        knob,
+        f"{lead} — {why}",
+        hot.label,
+        cool.label,
+        cause,
+        f"{hot.label} is hot: {short}",
+    )
