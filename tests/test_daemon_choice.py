@@ -289,3 +289,51 @@ async def test_the_inspector_shows_a_block_as_text_with_ids_a_key_away(two):
     r = alpha.ctl("inspect-block", str(cached))  # ctl decodes on its side too
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["text"] == text
+
+
+@pytest.mark.slow
+async def test_top_over_two_urls_and_over_a_router(two, aiohttp_server):
+    """``top --url A --url B``: a fleet row each, n switches the panels to the other daemon;
+    ``top --url ROUTER``: the router's local backends, a remote one listed as such."""
+    import asyncio
+
+    from pagectl.cli import build_parser
+    from pagectl.cli.top import build_source
+    from pagectl.control.fleet import host_port, plan_fleet
+    from pagectl.router.backends import Backend, BackendSpec
+    from pagectl.router.proxy import Router, create_router_app
+    from pagectl.routing.policy import RoutingPolicy
+    from pagectl.tui.fleet_source import FleetSource
+
+    alpha, beta = two
+    rt = str(alpha.runtime_dir)
+    argv = ["top", "--runtime-dir", rt, "--url", alpha.base_url, "--url", beta.base_url]
+    source, chooser = build_source(build_parser(argv).parse_args(argv))
+    assert isinstance(source, FleetSource) and chooser is None
+    app = PagectlTop(source)
+    async with app.run_test(size=(160, 48)) as pilot:
+        live = lambda: all(r.link == LIVE and r.stats for r in source.rows())  # noqa: E731
+        assert await wait_until(pilot, live, 20), source.rows()
+        assert [r.label for r in source.rows()] == [host_port(d.base_url) for d in two]
+        assert await wait_until(pilot, lambda: app.snapshot is not None, 10)
+        assert app.snapshot.model.model == "alpha"
+        await pilot.press("n")
+        assert await wait_until(
+            pilot, lambda: app.snapshot is not None and app.snapshot.model.model == "beta", 10
+        )
+        header = app.query_one(ConsoleHeader).render()
+        assert f"[2/2] {host_port(beta.base_url)}" in str(getattr(header, "plain", header))
+
+    remote = "http://192.0.2.1:8000"  # TEST-NET: another host
+    backends = [Backend(BackendSpec(d.base_url)) for d in two] + [Backend(BackendSpec(remote))]
+    router = Router(backends, RoutingPolicy("load"), connect_timeout=0.2, health_timeout=0.5)
+    server = await aiohttp_server(create_router_app(router))
+    url = f"http://127.0.0.1:{server.port}"
+    members = await asyncio.to_thread(plan_fleet, rt, Selector(url=url), [url])
+    assert members is not None
+    assert [(m.label, m.http_url, bool(m.unreachable)) for m in members] == [
+        (host_port(alpha.base_url), alpha.base_url, False),
+        (host_port(beta.base_url), beta.base_url, False),
+        ("192.0.2.1:8000", remote, True),
+    ]
+    assert "another host" in members[2].unreachable

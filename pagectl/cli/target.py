@@ -16,15 +16,17 @@ def add_runtime_dir_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    """``--runtime-dir``, ``--url``, ``--port``, ``--pid``."""
+def add_target_arguments(p: argparse.ArgumentParser, several_urls: bool = False) -> None:
+    """``--runtime-dir``, ``--url`` (repeatable with ``several_urls``), ``--port``, ``--pid``."""
     add_runtime_dir_argument(p)
     p.add_argument(
         "--url",
         default=None,
+        action="append" if several_urls else "store",
         metavar="URL",
         help="the daemon's HTTP address, e.g. http://127.0.0.1:8000 (its admin endpoints are "
-        "read from the runtime file that records it)",
+        "read from the runtime file that records it)"
+        + ("; repeat it for several daemons, or give a pagectl route URL" if several_urls else ""),
     )
     p.add_argument("--port", type=int, default=None, metavar="N", help="the daemon's HTTP port")
     p.add_argument(
@@ -33,4 +35,6 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def selector(args: argparse.Namespace) -> Selector:
-    return Selector(url=args.url, port=args.port, pid=args.pid)
+    """The selector of the flags (the first ``--url`` where it repeats)."""
+    url = args.url[0] if isinstance(args.url, list) and args.url else args.url
+    return Selector(url=url or None, port=args.port, pid=args.pid)

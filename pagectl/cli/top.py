@@ -9,7 +9,7 @@ from pagectl.cli.target import add_target_arguments, selector
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_target_arguments(p)
+    add_target_arguments(p, several_urls=True)
     p.add_argument(
         "--telemetry", metavar="ENDPOINT", help="telemetry PUB endpoint (skips the runtime file)"
     )
@@ -52,6 +52,13 @@ def build_source(args: argparse.Namespace):
 
     if args.telemetry:
         return ZmqSource(Endpoints(args.telemetry, args.control, args.token_file)), None
+    from pagectl.control.fleet import plan_fleet
+
+    members = plan_fleet(args.runtime_dir, selector(args), args.url or [])
+    if members is not None:
+        from pagectl.tui.fleet_source import zmq_fleet
+
+        return zmq_fleet(args.runtime_dir, members, stale_after=args.stale_after), None
     chooser = SelectingResolver(args.runtime_dir, selector(args))
     return ZmqSource(chooser), chooser
 
@@ -71,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json and not args.once:
         print("pagectl top: --json needs --once")
+        return 2
+    if len(args.url or []) > 1 and (args.once or args.telemetry or args.replay):
+        print("pagectl top: several --url need the console (not --once, --telemetry, --replay)")
         return 2
     if args.once:
         return _once(args)

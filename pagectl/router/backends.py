@@ -144,6 +144,21 @@ class Backend:
     def mark_down(self) -> None:
         self.load.alive = False
 
+    def describe(self) -> dict:
+        """This backend in ``GET /router/backends``."""
+        return {
+            "url": self.spec.url,
+            "alive": self.load.alive,
+            # Running + waiting as it reported them, and requests the router has in flight.
+            "num_requests": self.load.num_requests,
+            "inflight": self.load.inflight,
+            "kv_usage": self.load.kv_usage,
+            "block_size": self.block_size,
+            "kv_events": self.spec.kv_events,
+            "kv_event_batches": self.num_event_batches,
+            "kv_event_gaps": self.num_event_gaps,
+        }
+
     # -- KV events ------------------------------------------------------------------------
 
     async def follow_events(self, ctx: zmq.asyncio.Context, policy: RoutingPolicy) -> None:
@@ -221,8 +236,14 @@ def _as_bytes(h: bytes | int) -> bytes:
 
 
 async def poll_forever(
-    backends: list[Backend], session: aiohttp.ClientSession, interval: float
+    backends: list[Backend],
+    session: aiohttp.ClientSession,
+    interval: float,
+    timeout: float | None = None,
 ) -> None:
+    """Health-check every backend each ``interval`` s, each check within ``timeout`` s
+    (None: the interval, at least 1 s)."""
+    limit = timeout or max(interval, 1.0)
     while True:
-        await asyncio.gather(*(b.poll(session, max(interval, 1.0)) for b in backends))
+        await asyncio.gather(*(b.poll(session, limit) for b in backends))
         await asyncio.sleep(interval)

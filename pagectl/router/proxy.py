@@ -25,10 +25,12 @@ import logging
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import generate_latest
 
+from pagectl.control.fleet import BACKENDS_PATH
 from pagectl.engine.kv.hashing import hash_request_blocks
 from pagectl.router.backends import Backend, poll_forever
+from pagectl.router.metrics import RouterMetrics
 from pagectl.routing.policy import RoutingPolicy
 from pagectl.server.anthropic_api import to_chat_body
 from pagectl.server.errors import APIError
@@ -66,14 +68,20 @@ def _error(status: int, message: str, kind: str = "server_error", path: str = ""
     return web.json_response(body, status=status)
 
 
-def _stream_error(backend: str, path: str = "") -> bytes:
+def _timed_out(e: BaseException) -> bool:
+    """The request's own time limit ran out (not a failed or timed-out connection)."""
+    return isinstance(e, asyncio.TimeoutError) and not isinstance(e, aiohttp.ClientConnectionError)
+
+
+def _stream_error(backend: str, path: str = "", what: str = "") -> bytes:
+    text = f"backend {backend} {what or 'was lost mid-stream'}"
     if path == ANTHROPIC_PATH:
-        msg = {"type": "api_error", "message": f"backend {backend} was lost mid-stream"}
+        msg = {"type": "api_error", "message": text}
         data = json.dumps({"type": "error", "error": msg})
         return f"\n\nevent: error\ndata: {data}\n\n".encode()
     err = {
         "error": {
-            "message": f"backend {backend} was lost mid-stream",
+            "message": text,
             "type": "server_error",
             "param": None,
             "code": 502,
@@ -95,61 +103,6 @@ async def _write_quietly(out: web.StreamResponse, data: bytes | None) -> bool:
     return True
 
 
-class RouterMetrics:
-    def __init__(self) -> None:
-        reg = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "pagectl_router:requests",
-            "Requests answered, by backend and status (backend 'none': no backend took it).",
-            ["backend", "status"],
-            registry=reg,
-        )
-        self.decisions = Counter(
-            "pagectl_router:routing_decisions",
-            "Routing decisions by backend and reason (prefix, load, round_robin, skew).",
-            ["backend", "reason"],
-            registry=reg,
-        )
-        self.matched_blocks = Counter(
-            "pagectl_router:prefix_matched_blocks",
-            "Leading request blocks the chosen backend held, per its KV events.",
-            ["backend"],
-            registry=reg,
-        )
-        self.retries = Counter(
-            "pagectl_router:retries",
-            "Requests sent to another backend after a refusal.",
-            registry=reg,
-        )
-        self.stream_errors = Counter(
-            "pagectl_router:stream_errors",
-            "Streams ended with an error event because their backend was lost.",
-            ["backend"],
-            registry=reg,
-        )
-        self.up = Gauge(
-            "pagectl_router:backend_up", "1 if the backend is alive.", ["backend"], registry=reg
-        )
-        self.inflight = Gauge(
-            "pagectl_router:backend_inflight",
-            "Requests in flight per backend.",
-            ["backend"],
-            registry=reg,
-        )
-        self.event_batches = Gauge(
-            "pagectl_router:kv_event_batches",
-            "KV-event batches applied per backend.",
-            ["backend"],
-            registry=reg,
-        )
-        self.event_gaps = Gauge(
-            "pagectl_router:kv_event_gaps",
-            "Gaps in a backend's KV-event sequence numbers.",
-            ["backend"],
-            registry=reg,
-        )
-
-
 class Router:
     def __init__(
         self,
@@ -157,11 +110,17 @@ class Router:
         policy: RoutingPolicy,
         *,
         health_interval: float = 1.0,
+        health_timeout: float | None = None,
+        connect_timeout: float = 5.0,
         request_timeout: float | None = None,
     ) -> None:
         self.backends = backends
         self.policy = policy
         self.health_interval = health_interval
+        # A health check's limit (None: the interval, at least 1 s).
+        self.health_timeout = health_timeout or max(health_interval, 1.0)
+        self.connect_timeout = connect_timeout
+        # A whole proxied request's limit, streams included (None: none).
         self.request_timeout = request_timeout
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
@@ -170,12 +129,17 @@ class Router:
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=5),
+            timeout=aiohttp.ClientTimeout(
+                total=self.request_timeout, sock_connect=self.connect_timeout
+            ),
             auto_decompress=False,
         )
-        await asyncio.gather(*(b.poll(self.session, 2.0) for b in self.backends))
+        first = max(2.0, self.health_timeout)
+        await asyncio.gather(*(b.poll(self.session, first) for b in self.backends))
         self._tasks.append(
-            asyncio.create_task(poll_forever(self.backends, self.session, self.health_interval))
+            asyncio.create_task(
+                poll_forever(self.backends, self.session, self.health_interval, self.health_timeout)
+            )
         )
         for b in self.backends:
             self._tasks.append(asyncio.create_task(b.follow_events(self._zmq, self.policy)))
@@ -285,6 +249,8 @@ class Router:
         try:
             upstream = await self.session.post(b.spec.url + request.path, data=raw, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            if _timed_out(e):  # it took the request and is slow: no retry, not marked down
+                return self._timeout_error(b, request.path)
             log.warning("backend %s refused a request: %s", b.name, e)
             b.mark_down()
             return None
@@ -296,7 +262,9 @@ class Router:
             if not ctype.startswith("text/event-stream"):
                 try:
                     data = await upstream.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    if _timed_out(e):
+                        return self._timeout_error(b, request.path)
                     b.mark_down()
                     return _error(
                         502, f"backend {b.name} was lost before it answered", path=request.path
@@ -317,15 +285,38 @@ class Router:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    b.mark_down()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    timed_out = _timed_out(e)
+                    if not timed_out:
+                        b.mark_down()
                     self.metrics.stream_errors.labels(b.name).inc()
-                    await _write_quietly(out, _stream_error(b.name, request.path))
+                    what = "did not finish within --request-timeout" if timed_out else ""
+                    await _write_quietly(out, _stream_error(b.name, request.path, what))
                     break
                 if not await _write_quietly(out, chunk):
                     return out  # the client left: closing the upstream aborts the request
             await _write_quietly(out, None)
             return out
+
+    def _timeout_error(self, b: Backend, path: str) -> web.Response:
+        log.warning("backend %s: a request ran past --request-timeout", b.name)
+        return _error(
+            504,
+            f"backend {b.name} did not answer within the request timeout "
+            f"({self.request_timeout:g} s)",
+            "timeout",
+            path,
+        )
+
+    async def list_backends(self, request: web.Request) -> web.Response:
+        """``GET /router/backends``: the policy and each backend as the router sees it (what
+        ``pagectl top --url ROUTER`` attaches to)."""
+        body = {
+            "routing": self.policy.policy,
+            "max_skew": self.policy.max_skew,
+            "backends": [b.describe() for b in self.backends],
+        }
+        return web.json_response(body)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
@@ -372,6 +363,7 @@ def create_router_app(router: Router) -> web.Application:
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.render_metrics)
+    app.router.add_get(BACKENDS_PATH, router.list_backends)
 
     async def on_startup(app: web.Application) -> None:
         await router.start()

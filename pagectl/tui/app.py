@@ -41,6 +41,7 @@ from pagectl.tui.connection import (
 )
 from pagectl.tui.daemon_choice import SelectingResolver
 from pagectl.tui.detokenize import Detokenizer
+from pagectl.tui.fleet_actions import FLEET_BINDINGS, FleetActions
 from pagectl.tui.history import History
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
@@ -58,7 +59,7 @@ from pagectl.tui.widgets.trends import Trends
 from pagectl.tui.widgets.verdict_bar import VerdictBar
 
 
-class PagectlTop(ConsoleActions, App[None]):
+class PagectlTop(FleetActions, ConsoleActions, App[None]):
     """The console. ``clock`` (time.time by default) measures telemetry age."""
 
     CSS_PATH = "app.tcss"
@@ -102,6 +103,7 @@ class PagectlTop(ConsoleActions, App[None]):
         Binding("i", "token_ids", "Ids/text", show=False, id="pagectl.token_ids"),
         Binding("question_mark", "help", "Help", key_display="?", id="pagectl.help"),
         Binding("q", "quit", "Quit", id="pagectl.quit"),
+        *FLEET_BINDINGS,
     ]
 
     def __init__(
@@ -169,6 +171,7 @@ class PagectlTop(ConsoleActions, App[None]):
         self.verdict_bar = VerdictBar(id="verdicts")
         yield self.header_panel
         yield self.verdict_bar
+        yield from self.compose_fleet()
         with Vertical(id="body") as body:
             self.body = body
             with Horizontal(id="top"):

@@ -28,6 +28,7 @@ KEYS = (
     ("s / S", "table: next sort column / reverse"),
     ("e", "events: show all / config / preemption / cache / admission"),
     ("v", "small terminals: show Over time, then Selection, then events again"),
+    ("n / N, 1-9", "fleet: show the next / previous member, or member 1-9"),
     ("?", "this help"),
     ("q", "quit"),
 )

@@ -103,6 +103,13 @@ class EventLog(RichLog, can_focus=False):
             self.last_event_id = ev.event_id
             self.kind_counts[ev.kind] += 1
 
+    def restart_numbering(self, when: float, message: str) -> None:
+        """Events from another source follow (a fleet member switched to): its numbers start
+        afresh, after the line ``message``."""
+        self.last_event_id = 0
+        self._start_time = None
+        self._add(Event(0, when, "restart", message))
+
     def note(self, when: float, message: str, kind: str = "console") -> None:
         """A line from the console itself (a refused command, a lost link)."""
         self._add(Event(0, when, kind, message))
