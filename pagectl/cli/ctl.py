@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
         if args.ctl_command == "watch":
             from pagectl.cli.snapshot_out import watch
 
-            return watch(info.telemetry_endpoint, args.interval, args.count, args.timeout)
+            return watch(
+                info.telemetry_endpoint, args.interval, args.count, args.timeout, _sub_token(info)
+            )
         endpoint, token, token_src = (
             info.control_endpoint,
             read_token(info.token_file),
@@ -236,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         if name == "status":
             telemetry = None if args.control_endpoint else info.telemetry_endpoint
             secs = args.window if args.window is not None else (0.0 if args.json else 3.0)
-            found = _verdicts(telemetry, secs) if telemetry and secs > 0 else None
+            found = _verdicts(telemetry, secs, _sub_token(info)) if telemetry and secs > 0 else None
             if args.json:
                 if found is not None:
                     result["verdicts"] = [
@@ -263,7 +265,14 @@ def _detokenize(path: str, ids: list[int]) -> str | None:
     return Detokenizer(lambda: path).decode(ids) if ids else ""
 
 
-def _verdicts(endpoint: str, seconds: float) -> list:
+def _sub_token(info) -> str | None:
+    """The token the daemon's telemetry asks of subscribers (None: it asks none)."""
+    from pagectl.control.telemetry_auth import subscriber_token
+
+    return subscriber_token(info.telemetry_endpoint, info.token_file, info.telemetry_auth)
+
+
+def _verdicts(endpoint: str, seconds: float, token: str | None = None) -> list:
     """The verdict rules over ``seconds`` of the daemon's telemetry."""
     import time
 
@@ -272,7 +281,7 @@ def _verdicts(endpoint: str, seconds: float) -> list:
 
     history: list = []
     deadline = time.monotonic() + seconds
-    with TelemetrySubscriber(endpoint) as sub:
+    with TelemetrySubscriber(endpoint, token=token) as sub:
         while (left := deadline - time.monotonic()) > 0:
             snap = sub.recv(timeout=left)
             if snap is not None and (not history or snap.time - history[-1].time >= 0.5):

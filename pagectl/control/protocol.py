@@ -85,6 +85,9 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     # Where clients load the model's tokenizer to show token ids as text ("" when the model
     # has none).
     tokenizer_path: str = ""
+    # "plain": the telemetry PUB asks subscribers for the control token (ZMQ PLAIN, user
+    # "pagectl"; ``control.telemetry_auth``); "": it asks nothing.
+    telemetry_auth: str = ""
     version: int = PROTOCOL_VERSION
 
 

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from pagectl.control.protocol import RuntimeInfo
 from pagectl.control.runtime import DaemonDir, loopback_only
+from pagectl.control.telemetry_auth import server_mode
 from pagectl.engine.args import EngineArgs
 from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
 from pagectl.engine_process.main import EngineProcConfig
@@ -59,6 +60,8 @@ class DaemonOptions:
     engine_factory: str | None = None
     drain_timeout: float = 30.0
     telemetry_hz: float = 10.0
+    # ``--telemetry-public``: telemetry over tcp:// or ipc://@ asks no token.
+    telemetry_public: bool = False
     # ``--kv-events-config`` as parsed (vLLM's KVEventsConfig fields), or None.
     kv_events_config: dict | None = None
 
@@ -139,6 +142,7 @@ async def serve(opts: DaemonOptions) -> int:
                 token_file=str(ddir.token_file),
                 audit_file=str(ddir.audit_file),
                 telemetry_hz=opts.telemetry_hz,
+                telemetry_public=opts.telemetry_public,
                 kv_events_config=opts.kv_events_config,
             ),
             input_endpoint=ddir.endpoint("engine-in"),
@@ -205,6 +209,7 @@ async def _run(opts: DaemonOptions, ddir: DaemonDir, app, runner, engine: Engine
             tp_size=ready.model_info.tp_size,
             audit_file=str(ddir.audit_file),
             tokenizer_path=ready.tokenizer_path or "",
+            telemetry_auth=server_mode(ready.telemetry_endpoint, opts.telemetry_public),
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")
