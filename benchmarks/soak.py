@@ -12,10 +12,11 @@ must be refused (400: out-of-range integers, lone surrogates, an unknown field t
 Every ``--interval`` seconds the load pauses until the daemon is idle and one line is
 printed: requests and errors in the interval, KV blocks still in use (must be 0 when idle:
 anything else leaked), admission slots and unstarted engine requests (``/metrics``; must be
-0), and the RSS of the API-server and engine processes. "errors" counts answers that were
-wrong: a 5xx, a refused request that was not refused, or a good one that failed; expected
-400s are counted apart. The last line is a JSON summary, including the engine's RSS change
-over the second half of the run. Nothing leaves loopback; the daemon is stopped at the end.
+0), the RSS of the API-server and engine processes, and the machine's 1-minute load.
+"errors" counts answers that were wrong: a 5xx, a refused request that was not refused, or
+a good one that failed; expected 400s are counted apart. The last line is a JSON summary,
+including the engine's RSS change over the second half of the run and its spread (max over
+min) over the last 30 minutes. Nothing leaves loopback; the daemon is stopped at the end.
 """
 
 from __future__ import annotations
@@ -156,6 +157,14 @@ def quiesce(d: DaemonProcess, admin: AdminClient, timeout: float = 60.0) -> dict
     }
 
 
+def _spread(rows: list[dict], minutes: float) -> float | None:
+    """(max / min - 1) of the engine's RSS over the rows of the last ``minutes``, in %."""
+    if not rows or rows[-1]["t_min"] < minutes:
+        return None
+    tail = [r["engine_rss_mb"] for r in rows if r["t_min"] >= rows[-1]["t_min"] - minutes]
+    return round(100 * (max(tail) / min(tail) - 1), 2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=60.0, help="how long to run (default 60)")
@@ -203,7 +212,7 @@ def main() -> int:
         end = t0 + args.minutes * 60
         print(
             "  t_min  requests  errors  refused  dropped  leaked_blocks  slots  unstarted"
-            "  api_rss_mb  engine_rss_mb",
+            "  api_rss_mb  engine_rss_mb  load1",
             flush=True,
         )
         while time.monotonic() < end:
@@ -217,6 +226,7 @@ def main() -> int:
                 **left,
                 "api_rss_mb": round(api.memory_info().rss / 2**20, 1),
                 "engine_rss_mb": round(engine.memory_info().rss / 2**20, 1),
+                "load1": round(os.getloadavg()[0], 1),
             }
             rows.append(row)
             go.set()
@@ -224,7 +234,7 @@ def main() -> int:
                 f"{row['t_min']:7.2f} {row['requests']:9d} {row['errors']:7d} "
                 f"{row['refused_400']:8d} {row['dropped']:8d} {row['leaked_blocks']:14d} "
                 f"{row['slots']:6d} {row['unstarted']:10d} {row['api_rss_mb']:11.1f} "
-                f"{row['engine_rss_mb']:14.1f}",
+                f"{row['engine_rss_mb']:14.1f} {row['load1']:6.1f}",
                 flush=True,
             )
             if counts.last_error:
@@ -257,6 +267,8 @@ def main() -> int:
         )
         if len(half) >= 2
         else None,
+        # The target: engine RSS within 5% over the last 30 minutes (max over min, in %).
+        "engine_rss_spread_last_30min_pct": _spread(rows, 30.0),
         "api_rss_mb_first_last": [rows[0]["api_rss_mb"], rows[-1]["api_rss_mb"]] if rows else None,
         "load": os.getloadavg(),
     }

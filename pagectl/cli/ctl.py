@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 
             telemetry = targets[0][2]
             assert telemetry is not None
-            return watch(telemetry, args.interval, args.count, args.timeout)
+            return watch(telemetry, args.interval, args.count, args.timeout, _sub_token(info))
         token, token_src = read_token(info.token_file), info.token_file
     if token is None:
         return err(
@@ -276,7 +276,7 @@ def _one(args, info, target, token, AdminClient, AdminError, err) -> int:
         name = args.ctl_command
         if name == "status":
             secs = args.window if args.window is not None else (0.0 if args.json else 3.0)
-            found = _verdicts(telemetry, secs) if telemetry and secs > 0 else None
+            found = _verdicts(telemetry, secs, _sub_token(info)) if telemetry and secs > 0 else None
             if args.json:
                 if found is not None:
                     result["verdicts"] = [
@@ -334,7 +334,14 @@ def _detokenize(path: str, ids: list[int]) -> str | None:
     return Detokenizer(lambda: path).decode(ids) if ids else ""
 
 
-def _verdicts(endpoint: str, seconds: float) -> list:
+def _sub_token(info) -> str | None:
+    """The token the daemon's telemetry asks of subscribers (None: it asks none)."""
+    from pagectl.control.telemetry_auth import subscriber_token
+
+    return subscriber_token(info.telemetry_endpoint, info.token_file, info.telemetry_auth)
+
+
+def _verdicts(endpoint: str, seconds: float, token: str | None = None) -> list:
     """The verdict rules over ``seconds`` of the daemon's telemetry."""
     import time
 
@@ -343,7 +350,7 @@ def _verdicts(endpoint: str, seconds: float) -> list:
 
     history: list = []
     deadline = time.monotonic() + seconds
-    with TelemetrySubscriber(endpoint) as sub:
+    with TelemetrySubscriber(endpoint, token=token) as sub:
         while (left := deadline - time.monotonic()) > 0:
             snap = sub.recv(timeout=left)
             if snap is not None and (not history or snap.time - history[-1].time >= 0.5):

@@ -171,8 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--telemetry-public",
         action="store_true",
-        help="allow a telemetry endpoint any local user can read (loopback tcp:// or "
-        "abstract ipc://@): telemetry carries no token",
+        help="ask no token of telemetry subscribers on an endpoint other local users can "
+        "reach (loopback tcp:// or abstract ipc://@); by default they must present it",
     )
     a.add_argument(
         "--telemetry-hz", type=float, default=10.0, help="snapshots per second (default 10)"
@@ -357,12 +357,6 @@ def run(args: argparse.Namespace) -> int:
     # builds (None model: the built-in one, pagectl/assets/pycoder as in engine/builder.py).
     builtin = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "pycoder")
     hint = args.tokenizer or args.model or builtin
-    tel = args.admin_telemetry_endpoint or ""
-    if (tel.startswith("tcp://") or tel.startswith("ipc://@")) and not args.telemetry_public:
-        return fail(
-            f"telemetry endpoint {tel} is readable by every local user (telemetry has no "
-            "token); use an ipc:// path, or pass --telemetry-public to accept that"
-        )
     if args.api_key and args.api_key_file:
         return fail("give --api-key or --api-key-file, not both")
     api_key = args.api_key
@@ -411,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
         engine_factory=args.engine_factory,
         drain_timeout=args.drain_timeout,
         telemetry_hz=args.telemetry_hz,
+        telemetry_public=args.telemetry_public,
         kv_events_config=kv_events,
         data_parallel_size=args.data_parallel_size,
         dp_cpu_threads=args.dp_cpu_threads,

@@ -31,10 +31,11 @@ def snapshot_text(snap: TelemetrySnapshot, info: RuntimeInfo | None) -> str:
     return render_header(snap, link).plain + "\n" + render_gauges(snap, 30).plain
 
 
-def recv_one(endpoint: str, timeout: float) -> TelemetrySnapshot | None:
+def recv_one(endpoint: str, timeout: float, token: str | None = None) -> TelemetrySnapshot | None:
+    """One snapshot (``token``: presented to telemetry that asks for it)."""
     from pagectl.control.client import TelemetrySubscriber
 
-    with TelemetrySubscriber(endpoint) as sub:
+    with TelemetrySubscriber(endpoint, token=token) as sub:
         return sub.recv(timeout=timeout)
 
 
@@ -70,14 +71,16 @@ class WatchLine:
         )
 
 
-def watch(endpoint: str, interval: float, count: int, timeout: float) -> int:
+def watch(
+    endpoint: str, interval: float, count: int, timeout: float, token: str | None = None
+) -> int:
     """Print ``WatchLine`` lines every ``interval`` s (``count`` lines; 0: until Ctrl-C)."""
     from pagectl.control.client import TelemetrySubscriber
 
     w = WatchLine()
     printed = 0
     print(WatchLine.HEADER, flush=True)
-    with TelemetrySubscriber(endpoint) as sub:
+    with TelemetrySubscriber(endpoint, token=token) as sub:
         try:
             while count <= 0 or printed < count:
                 snap = sub.recv(timeout=max(timeout, interval))

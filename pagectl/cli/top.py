@@ -100,10 +100,12 @@ def _once(args: argparse.Namespace) -> int:
     from pagectl.cli.snapshot_out import recv_one, snapshot_json, snapshot_text
     from pagectl.control.runtime import RuntimeNotFound
     from pagectl.control.selection import AmbiguousRuntime, select_runtime
+    from pagectl.control.telemetry_auth import subscriber_token
 
     info = None
     if args.telemetry:
         endpoint = args.telemetry
+        token = subscriber_token(endpoint, args.token_file, None)
     else:
         try:
             info = select_runtime(args.runtime_dir, selector(args))
@@ -114,7 +116,8 @@ def _once(args: argparse.Namespace) -> int:
             print(f"pagectl top: {e}", file=sys.stderr)
             return 3
         endpoint = info.telemetry_endpoint
-    snap = recv_one(endpoint, 5.0)
+        token = subscriber_token(endpoint, info.token_file, info.telemetry_auth)
+    snap = recv_one(endpoint, 5.0, token)
     if snap is None:
         print(f"pagectl top: no telemetry from {endpoint} within 5s", file=sys.stderr)
         return 3

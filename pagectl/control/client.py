@@ -6,7 +6,7 @@
     info = find_runtime()                       # or find_runtime("/path/to/runtime/dir")
     with AdminClient.from_runtime(info) as admin:
         admin.command(SetConfig("max_num_batched_tokens", 4096))   # -> {"name", "old", "new"}
-    with TelemetrySubscriber(info.telemetry_endpoint) as sub:
+    with TelemetrySubscriber.for_runtime(info) as sub:  # presents the token if asked
         snap = sub.recv(timeout=1.0)            # TelemetrySnapshot or None
 
 One request/reply core, ``AsyncAdminClient`` (asyncio, used by the console); ``AdminClient``
@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -30,6 +31,7 @@ import zmq.asyncio
 
 from pagectl.control.protocol import ControlRequest, RuntimeInfo, decode_reply, encode
 from pagectl.control.runtime import RuntimeNotFound, find_runtime, read_token
+from pagectl.control.telemetry_auth import present_token, subscriber_token
 from pagectl.engine.commands import Command, CommandError
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot, is_heartbeat
 
@@ -218,19 +220,36 @@ class TelemetrySubscriber:
         conflate: keep only the newest unread snapshot (default); False keeps a short queue
             (for recording every snapshot).
         context: a zmq.Context to use (default: the process-wide instance).
+        token: the control token, presented to a daemon whose telemetry asks for it
+            (``control.telemetry_auth``; ``for_runtime`` decides); None presents nothing.
     """
 
-    def __init__(self, endpoint: str, *, conflate: bool = True, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        conflate: bool = True,
+        context: zmq.Context | None = None,
+        token: str | None = None,
+    ):
         self.endpoint = endpoint
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            present_token(self._sock, token)
         if conflate:
             self._sock.setsockopt(zmq.CONFLATE, 1)  # must precede connect
         else:
             self._sock.setsockopt(zmq.RCVHWM, 64)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.connect(endpoint)
+
+    @classmethod
+    def for_runtime(cls, info: RuntimeInfo, **kw: Any) -> TelemetrySubscriber:
+        """A subscriber of the daemon described by ``info``, with the token if it asks."""
+        token = subscriber_token(info.telemetry_endpoint, info.token_file, info.telemetry_auth)
+        return cls(info.telemetry_endpoint, token=token, **kw)
 
     def recv_raw(self, timeout: float | None = None) -> bytes | None:
         """The next frame undecoded (a snapshot or a heartbeat, see

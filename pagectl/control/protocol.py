@@ -97,6 +97,9 @@ class RuntimeInfo(msgspec.Struct, kw_only=True):
     # One entry per engine when the daemon runs N > 1 data-parallel engines (the top-level
     # endpoints are then engine 0's); empty for a single engine.
     engines: list[EngineEndpoints] = []
+    # "plain": the telemetry PUB asks subscribers for the control token (ZMQ PLAIN, user
+    # "pagectl"; ``control.telemetry_auth``); "": it asks nothing.
+    telemetry_auth: str = ""
     version: int = PROTOCOL_VERSION
 
 

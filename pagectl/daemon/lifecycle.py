@@ -34,6 +34,7 @@ from aiohttp import web
 
 from pagectl.control.protocol import EngineEndpoints, RuntimeInfo
 from pagectl.control.runtime import DaemonDir, loopback_only
+from pagectl.control.telemetry_auth import server_mode
 from pagectl.daemon.dp import engine_args_for_rank, kv_events_for_rank, rank_endpoint, wants_cuda
 from pagectl.engine.args import EngineArgs
 from pagectl.engine_process.client import EngineClient, EngineStartError, ServerStoppingError
@@ -66,6 +67,8 @@ class DaemonOptions:
     engine_factory: str | None = None
     drain_timeout: float = 30.0
     telemetry_hz: float = 10.0
+    # ``--telemetry-public``: telemetry over tcp:// or ipc://@ asks no token.
+    telemetry_public: bool = False
     # ``--kv-events-config`` as parsed (vLLM's KVEventsConfig fields), or None.
     kv_events_config: dict | None = None
     # Data parallelism (docs/DATA_PARALLEL.md): engine processes behind the API server.
@@ -229,6 +232,7 @@ def _engines(
                 token_file=str(ddir.token_file),
                 audit_file=str(ddir.audit_file),
                 telemetry_hz=opts.telemetry_hz,
+                telemetry_public=opts.telemetry_public,
                 kv_events_config=kv_events,
                 data_parallel_rank=rank,
             ),
@@ -287,6 +291,7 @@ async def _run(
             audit_file=str(ddir.audit_file),
             tokenizer_path=ready.tokenizer_path or "",
             engines=_endpoints(engine),
+            telemetry_auth=server_mode(ready.telemetry_endpoint, opts.telemetry_public),
         )
     )
     _say(f"serving {state.model.served_model_name} at {url} (runtime file: {ddir.runtime_file})")

@@ -44,6 +44,7 @@ from pagectl.engine_process.frames import (
     submit_request_id,
 )
 from pagectl.engine_process.kv_events import KVEventPublisher
+from pagectl.engine_process.native_memory import IdleTrim
 from pagectl.engine_process.publisher import TelemetryPublisher
 
 log = logging.getLogger("pagectl.engine")
@@ -98,6 +99,8 @@ class EngineLoop:
         kv_events: the KV-event publisher (``--kv-events-config``), or None. The step's
             events are handed to it once per turn, after the step and the control commands.
         audit: where control commands are recorded (None: nowhere).
+        idle_trim: hands freed native memory back once the engine has been idle a while
+            (``native_memory.IdleTrim``; None: never).
     """
 
     def __init__(
@@ -113,8 +116,10 @@ class EngineLoop:
         stop_event: threading.Event | None = None,
         kv_events: KVEventPublisher | None = None,
         audit: AuditLog | None = None,
+        idle_trim: IdleTrim | None = None,
     ) -> None:
         self.core = core
+        self.idle_trim = idle_trim
         self.audit = audit
         self.publisher = TelemetryPublisher(pub_sock) if pub_sock is not None else None
         self.input_sock = input_sock
@@ -251,6 +256,7 @@ class EngineLoop:
         core = self.core
         publisher = self.publisher
         check_health = getattr(getattr(core, "executor", None), "check_health", None)
+        idle_trim = self.idle_trim
         while not self._shutdown and not self.stop_event.is_set():
             if check_health is not None:
                 try:
@@ -262,6 +268,8 @@ class EngineLoop:
             timeout_ms = 0
             if not core.has_unfinished():
                 wait = self._next_publish - time.monotonic()
+                if idle_trim is not None:
+                    idle_trim.idle()  # at most once per idle period, never while busy
                 timeout_ms = math.ceil(min(max(wait, 0.0), 0.1) * 1000)
             try:
                 if self.poller.poll(timeout_ms):
@@ -281,6 +289,8 @@ class EngineLoop:
                 finally:
                     if publisher is not None:
                         publisher.step_finished()
+                if idle_trim is not None:
+                    idle_trim.busy()
                 if outputs:
                     self._send(wire.OutputBatch(outputs))
                 if not core.has_unfinished():

@@ -24,8 +24,9 @@ import zmq
 
 from pagectl.control import ipc
 from pagectl.control.runtime import read_token
+from pagectl.control.telemetry_auth import PLAIN, TelemetryAuth, server_mode
 from pagectl.engine.args import EngineArgs
-from pagectl.engine_process import wire
+from pagectl.engine_process import native_memory, wire
 from pagectl.engine_process.frames import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_INPUT_FRAME_BYTES,
@@ -82,6 +83,9 @@ class EngineProcConfig(msgspec.Struct, kw_only=True):
     # The append-only JSON-lines audit file of control commands ("" keeps none).
     audit_file: str = ""
     telemetry_hz: float = 10.0
+    # ``--telemetry-public``: no token asked of subscribers even where other local users can
+    # connect (``control.telemetry_auth``).
+    telemetry_public: bool = False
     # ``--kv-events-config`` (vLLM's KVEventsConfig fields, checked by the daemon), or None.
     kv_events_config: dict[str, Any] | None = None
     # This engine's data-parallel rank (0..N-1; 0 for a daemon of one engine): carried in
@@ -177,6 +181,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
 
     built = None
     pub = router = None
+    tel_auth = None
     kv_pub = None
     claims: list[ipc.IpcClaim] = []
     try:
@@ -189,6 +194,9 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, TELEMETRY_SNDHWM)
             pub.setsockopt(zmq.LINGER, 0)
+            if server_mode(cfg.telemetry_endpoint, cfg.telemetry_public) == PLAIN:
+                tel_auth = TelemetryAuth(ctx, token)
+                tel_auth.protect(pub)
             telemetry_ep = _bind(pub, cfg.telemetry_endpoint, claims)
             # Admin frames past the limit disconnect their sender (libzmq drops them).
             router = limit_socket(ctx.socket(zmq.ROUTER), MAX_CONTROL_FRAME_BYTES)
@@ -228,6 +236,7 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
             stop_event=stop,
             kv_events=kv_pub,
             audit=AuditLog(cfg.audit_file) if cfg.audit_file else None,
+            idle_trim=native_memory.IdleTrim() if native_memory.enabled() else None,
         )
         return loop.run()
     finally:
@@ -243,12 +252,15 @@ def serve(cfg: EngineProcConfig, stop: threading.Event) -> int:
                 s.close(linger=0)
         for c in claims:
             ipc.release(c)
+        if tel_auth is not None:
+            tel_auth.stop()
         # Flush the last messages to a live parent; drop them for a dead one.
         out.close(linger=0 if stop.is_set() else 2000)
         ctx.term()
 
 
 def main() -> int:
+    native_memory.configure()  # before anything imports torch
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = _read_line(0)
     if not line:

@@ -12,7 +12,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pagectl.server.errors import bad_request
+
+# Bodies from this size on are decoded by msgspec first: several times faster than ``json``
+# on megabytes, and both hold the GIL while they run. msgspec is the stricter of the two
+# (NaN, Infinity, overflowing numbers, a BOM, invalid UTF-8 all fail), so a body it decodes
+# is one ``json`` would give the same objects for; a body it refuses is parsed again by
+# ``json`` below, which says what is wrong exactly as for a small body.
+FAST_PARSE_BYTES = 64 * 1024
+_fast_decode = msgspec.json.Decoder().decode
 
 
 def _reject_constant(name: str) -> Any:
@@ -28,6 +38,14 @@ def _finite_float(text: str) -> float:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object. NaN, Infinity and overflowing numbers are refused."""
+    if len(raw) >= FAST_PARSE_BYTES:
+        try:
+            obj = _fast_decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass  # the exact reason comes from the parse below
+        else:
+            if isinstance(obj, dict):
+                return obj
     try:
         obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:

@@ -27,7 +27,11 @@ class SelectingResolver:
         info = select_runtime(self.runtime_dir, self.selector)
         self.info = info
         return Endpoints(
-            info.telemetry_endpoint, info.control_endpoint, info.token_file, info.http_url
+            info.telemetry_endpoint,
+            info.control_endpoint,
+            info.token_file,
+            info.http_url,
+            telemetry_auth=info.telemetry_auth,
         )
 
     def choices(self) -> list[RuntimeInfo]:

@@ -45,7 +45,9 @@ class MemberResolver:
     def __call__(self) -> Endpoints:
         info = select_runtime(self.runtime_dir, Selector(url=self.spec.http_url))
         telemetry, control = engine_endpoints(info, self.spec.engine)
-        return Endpoints(telemetry, control, info.token_file, info.http_url)
+        return Endpoints(
+            telemetry, control, info.token_file, info.http_url, telemetry_auth=info.telemetry_auth
+        )
 
 
 @dataclass

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from pagectl.control.client import AdminError, AsyncAdminClient, default_client_name
 from pagectl.control.runtime import read_token_file
+from pagectl.control.telemetry_auth import present_token, subscriber_token
 from pagectl.engine.commands import Command
 from pagectl.tui.source import Frame
 
@@ -40,6 +41,9 @@ class Endpoints:
     token_file: str | None
     # The daemon's HTTP address, shown in the header ("" when attached by endpoints alone).
     http_url: str = ""
+    # The runtime file's ``telemetry_auth`` (None when attached by endpoints alone: the
+    # token is presented where other users could connect; ``control.telemetry_auth``).
+    telemetry_auth: str | None = None
 
 
 # Returns the endpoints of the daemon to attach to, or raises with a message for the header.
@@ -53,7 +57,12 @@ def runtime_resolver(runtime_dir: str | None) -> Resolver:
         from pagectl.control.client import find_runtime
 
         info = find_runtime(runtime_dir)
-        return Endpoints(info.telemetry_endpoint, info.control_endpoint, info.token_file)
+        return Endpoints(
+            info.telemetry_endpoint,
+            info.control_endpoint,
+            info.token_file,
+            telemetry_auth=info.telemetry_auth,
+        )
 
     return resolve
 
@@ -122,6 +131,9 @@ class ZmqSource:
         sub.setsockopt(zmq.CONFLATE, 1)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub_token = subscriber_token(ep.telemetry, ep.token_file, ep.telemetry_auth)
+        if sub_token is not None:
+            present_token(sub, sub_token)
         sub.connect(ep.telemetry)
         self._sub = sub
         if ep.control is None:
