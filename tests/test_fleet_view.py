@@ -262,3 +262,62 @@ def test_members_from_urls_engines_and_a_router(runtime_dir):
     ep = MemberResolver(rt, MemberSpec("e1", dp, 1))()
     assert ep.telemetry.endswith("tel1.sock") and ep.control.endswith("ctl1.sock")
     assert host_port("http://[::1]:9000") == "[::1]:9000"
+
+
+async def test_a_data_parallel_daemon_over_real_engine_loops(tmp_path):
+    """A runtime file listing two engines (each a real ``EngineLoop`` with its own admin
+    sockets): ``pagectl top`` shows an engine a row, and a command reaches the one shown."""
+    import os
+
+    from loop_harness import LoopThread
+    from test_tui_app import wait_answers as answered
+
+    from pagectl.cli import build_parser
+    from pagectl.cli.top import build_source
+    from pagectl.tui.connection import LIVE
+
+    engines = []
+    for i, blocks in enumerate((96, 64)):
+        (tmp_path / f"e{i}").mkdir()
+        engines.append(LoopThread(tmp_path / f"e{i}", num_kv_blocks=blocks).start())
+    try:
+        rt = tmp_path / "rt"
+        (rt / str(os.getpid())).mkdir(parents=True)
+        eps = [e.endpoints for e in engines]
+        info = RuntimeInfo(
+            pid=os.getpid(),
+            start_time=NOW,
+            model="m",
+            http_url="http://127.0.0.1:8123",
+            telemetry_endpoint=eps[0].telemetry,
+            control_endpoint=eps[0].control or "",
+            token_file=eps[0].token_file or "",
+            engines=[
+                EngineEndpoints(index=i, telemetry_endpoint=e.telemetry, control_endpoint=e.control)
+                for i, e in enumerate(eps)
+            ],
+        )
+        (rt / str(os.getpid()) / "runtime.json").write_bytes(msgspec.json.encode(info))
+        argv = ["top", "--runtime-dir", str(rt)]
+        source, chooser = build_source(build_parser(argv).parse_args(argv))
+        assert isinstance(source, FleetSource) and chooser is None
+        assert [m.label for m in source.members] == ["engine 0", "engine 1"]
+        app = PagectlTop(source)
+
+        def shown(blocks: int) -> bool:
+            return app.snapshot is not None and app.snapshot.blocks.num_blocks == blocks
+
+        async with app.run_test(size=SIZE) as pilot:
+            assert await wait_until(pilot, lambda: all(r.link == LIVE for r in source.rows()), 15)
+            assert await wait_until(pilot, lambda: shown(96), 10)
+            await pilot.press("n")
+            assert await wait_until(pilot, lambda: shown(64) and app.control_ready, 10)
+            assert "[2/2] engine 1 · http://127.0.0.1:8123" in text_of(app.query_one(ConsoleHeader))
+            await pilot.press("p")
+            await answered(pilot, app, 1)
+            assert app.answers[-1][1], app.answers
+        assert engines[1].core.live_config()["enable_prefix_caching"] is False
+        assert engines[0].core.live_config()["enable_prefix_caching"] is True
+    finally:
+        for e in engines:
+            e.stop()
