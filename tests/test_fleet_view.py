@@ -4,11 +4,13 @@ skew verdict; and which members ``pagectl top`` makes from runtime files and a r
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 from test_skew_verdict import run_fleet, unrelated
 from test_tui_app import Clock, settle, text_of, wait_answers, wait_until
-from test_tui_scenarios import NOW, SYSTEM_PROMPT, Recorder, busy_snapshots, make_core
+from test_tui_scenarios import NOW, SYSTEM_PROMPT, Recorder, make_core
 
 from pagectl.control.fleet import MemberSpec, fleet_members, host_port, plan_fleet
 from pagectl.control.protocol import EngineEndpoints, RuntimeInfo
@@ -51,6 +53,17 @@ def make_fleet(histories: dict[str, list], unreachable: dict[str, str] | None = 
     return PagectlTop(fleet, clock=clock), fleet, clock
 
 
+async def primed(fleet: FleetSource, histories) -> None:
+    """Start the fleet before the app does and let it take every member's history in, so
+    that the app is handed each member's newest frame only (a live subscriber conflates;
+    a fake source would otherwise hand the app every frame, one at a time)."""
+    await fleet.start()
+    for _ in range(500):
+        if all(len(m.history) >= len(histories[m.label]) for m in fleet.members if m.source):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def settle_fleet(pilot, app: PagectlTop, fleet: FleetSource, histories) -> None:
     """Every member's history taken in, and the selected one shown."""
     want = {label: len(snaps) for label, snaps in histories.items()}
@@ -74,6 +87,7 @@ def request_ids(app: PagectlTop) -> set[str]:
 async def test_two_engines_a_row_each_and_switching_with_keys():
     h = skewed_fleet(2)
     app, fleet, _ = make_fleet(h)
+    await primed(fleet, h)
     async with app.run_test(size=SIZE) as pilot:
         await settle_fleet(pilot, app, fleet, h)
         table = text_of(app.fleet_table)
@@ -98,6 +112,12 @@ async def test_two_engines_a_row_each_and_switching_with_keys():
         # The panels' history is engine 1's alone: the sparklines restarted with it.
         assert len(app.history.samples) <= 1
 
+        # A command goes to the member shown, and to no other.
+        await pilot.press("p")
+        await wait_answers(pilot, app, 1)
+        a, b = (m.source for m in fleet.members)
+        assert b.sent == [SetPrefixCaching(enabled=False)] and a.sent == []
+
         await pilot.press("1")
         assert await wait_until(pilot, lambda: "hot0" in request_ids(app))
         assert fleet.selected == 0
@@ -105,24 +125,26 @@ async def test_two_engines_a_row_each_and_switching_with_keys():
         assert await wait_until(pilot, lambda: fleet.selected == 1)
 
 
-async def test_commands_go_to_the_selected_member_only():
-    h = {"engine 0": busy_snapshots(), "engine 1": busy_snapshots()}
-    app, fleet, _ = make_fleet(h)
-    a, b = (m.source for m in fleet.members)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle_fleet(pilot, app, fleet, h)
-        await pilot.press("n")
-        await wait_until(pilot, lambda: app.snapshot is not None and fleet.selected == 1)
-        await pilot.pause()
-        await pilot.press("p")
-        await wait_answers(pilot, app, 1)
-        assert b.sent == [SetPrefixCaching(enabled=False)] and a.sent == []
+async def test_a_member_that_cannot_start_leaves_the_others():
+    class Broken(FakeSource):
+        async def start(self) -> None:
+            raise OSError("no such socket")
+
+    ok = FakeSource(clock=Clock())
+    fleet = FleetSource([Member("a", Broken()), Member("b", ok)])
+    await fleet.start()
+    try:
+        assert fleet.members[0].source is None and "cannot start: no such socket" in fleet.detail
+        assert ok.started and [r.link for r in fleet.rows()] == ["unreachable", "connecting"]
+    finally:
+        await fleet.close()
 
 
 async def test_three_members_one_remote_and_the_skew_verdict():
     h = skewed_fleet(2)
     why = "on another host: the admin channel is local, run pagectl top there"
     app, fleet, clock = make_fleet(h, unreachable={"10.1.2.3:8000": why})
+    await primed(fleet, h)
     async with app.run_test(size=SIZE) as pilot:
         await settle_fleet(pilot, app, fleet, h)
         lines = text_of(app.fleet_table).splitlines()
@@ -151,6 +173,7 @@ async def test_three_members_one_remote_and_the_skew_verdict():
 async def test_a_click_on_a_row_selects_it_and_one_source_has_no_fleet_keys():
     h = skewed_fleet(3)
     app, fleet, _ = make_fleet(h)
+    await primed(fleet, h)
     async with app.run_test(size=SIZE) as pilot:
         await settle_fleet(pilot, app, fleet, h)
         await pilot.click("#fleet", offset=(5, 3))  # the third row
@@ -239,3 +262,62 @@ def test_members_from_urls_engines_and_a_router(runtime_dir):
     ep = MemberResolver(rt, MemberSpec("e1", dp, 1))()
     assert ep.telemetry.endswith("tel1.sock") and ep.control.endswith("ctl1.sock")
     assert host_port("http://[::1]:9000") == "[::1]:9000"
+
+
+async def test_a_data_parallel_daemon_over_real_engine_loops(tmp_path):
+    """A runtime file listing two engines (each a real ``EngineLoop`` with its own admin
+    sockets): ``pagectl top`` shows an engine a row, and a command reaches the one shown."""
+    import os
+
+    from loop_harness import LoopThread
+    from test_tui_app import wait_answers as answered
+
+    from pagectl.cli import build_parser
+    from pagectl.cli.top import build_source
+    from pagectl.tui.connection import LIVE
+
+    engines = []
+    for i, blocks in enumerate((96, 64)):
+        (tmp_path / f"e{i}").mkdir()
+        engines.append(LoopThread(tmp_path / f"e{i}", num_kv_blocks=blocks).start())
+    try:
+        rt = tmp_path / "rt"
+        (rt / str(os.getpid())).mkdir(parents=True)
+        eps = [e.endpoints for e in engines]
+        info = RuntimeInfo(
+            pid=os.getpid(),
+            start_time=NOW,
+            model="m",
+            http_url="http://127.0.0.1:8123",
+            telemetry_endpoint=eps[0].telemetry,
+            control_endpoint=eps[0].control or "",
+            token_file=eps[0].token_file or "",
+            engines=[
+                EngineEndpoints(index=i, telemetry_endpoint=e.telemetry, control_endpoint=e.control)
+                for i, e in enumerate(eps)
+            ],
+        )
+        (rt / str(os.getpid()) / "runtime.json").write_bytes(msgspec.json.encode(info))
+        argv = ["top", "--runtime-dir", str(rt)]
+        source, chooser = build_source(build_parser(argv).parse_args(argv))
+        assert isinstance(source, FleetSource) and chooser is None
+        assert [m.label for m in source.members] == ["engine 0", "engine 1"]
+        app = PagectlTop(source)
+
+        def shown(blocks: int) -> bool:
+            return app.snapshot is not None and app.snapshot.blocks.num_blocks == blocks
+
+        async with app.run_test(size=SIZE) as pilot:
+            assert await wait_until(pilot, lambda: all(r.link == LIVE for r in source.rows()), 15)
+            assert await wait_until(pilot, lambda: shown(96), 10)
+            await pilot.press("n")
+            assert await wait_until(pilot, lambda: shown(64) and app.control_ready, 10)
+            assert "[2/2] engine 1 · http://127.0.0.1:8123" in text_of(app.query_one(ConsoleHeader))
+            await pilot.press("p")
+            await answered(pilot, app, 1)
+            assert app.answers[-1][1], app.answers
+        assert engines[1].core.live_config()["enable_prefix_caching"] is False
+        assert engines[0].core.live_config()["enable_prefix_caching"] is True
+    finally:
+        for e in engines:
+            e.stop()

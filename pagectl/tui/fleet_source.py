@@ -142,9 +142,16 @@ class FleetSource:
             return
         self._started = True
         for m in self.members:
-            if m.source is not None:
+            if m.source is None:
+                continue
+            try:
                 await m.source.start()
-                self._tasks.append(asyncio.create_task(self._follow(m)))
+            except Exception as e:  # one member that cannot start leaves the others running
+                m.unreachable = f"cannot start: {e}"
+                await m.source.close()
+                m.source = None
+                continue
+            self._tasks.append(asyncio.create_task(self._follow(m)))
 
     async def next_frame(self, timeout: float) -> Frame | None:
         if self._pending is None:
