@@ -186,6 +186,30 @@ def test_regex_choice_and_ebnf(client):
         assert re.fullmatch(r"\([0-9](\+[0-9]){0,3}\)", c.message.content), c.message.content
 
 
+def test_structural_tag_response_format(client):
+    # vLLM's shape: free text, and every "=" goes on as a tag holding JSON for the schema.
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "=t>", "schema": schema, "end": "</t>"}],
+        "triggers": ["="],
+    }
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, n=6, seed=3, response_format=tag
+    )
+    bodies = [b for c in r.choices for b in re.findall(r"=t>(.*?)</t>", c.message.content, re.S)]
+    assert bodies
+    for body in bodies:
+        jsonschema.validate(json.loads(body), schema)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "structural_tag", "structures": [], "triggers": ["="]},
+        )
+    assert e.value.body["param"] == "response_format"
+
+
 def _params(name: str) -> dict:
     return next(t for t in (WEATHER, TIME) if t["function"]["name"] == name)["function"][
         "parameters"

@@ -21,7 +21,9 @@ from typing import Any
 from pagectl.engine.structured_outputs.params import (
     StructuredOutputsError,
     StructuredOutputsParams,
+    backend_message,
     build_grammar,
+    structural_tag_text,
 )
 
 # Compiled grammars kept (least recently submitted dropped first).
@@ -144,7 +146,12 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams, disable_ws: bool) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        grammar = build_grammar(params, disable_ws)
+        if params.kind == "structural_tag":
+            # Compiled from its text by the compiler: a ``token`` format names tokens, which
+            # only the compiler's tokenizer can resolve.
+            grammar: Any = structural_tag_text(params, disable_ws)
+        else:
+            grammar = build_grammar(params, disable_ws)
         try:
             if self.compiler is None:
                 import xgrammar as xgr
@@ -155,9 +162,12 @@ class StructuredOutputManager:
                     stop_token_ids=self.stop_token_ids or None,
                 )
                 self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-            compiled = self.compiler.compile_grammar(grammar)
+            if isinstance(grammar, str):
+                compiled = self.compiler.compile_structural_tag(grammar)
+            else:
+                compiled = self.compiler.compile_grammar(grammar)
         except Exception as e:
-            raise StructuredOutputsError("structured_outputs", str(e)) from None
+            raise StructuredOutputsError("structured_outputs", backend_message(e)) from None
         return compiled, time.perf_counter() - t0
 
     def wait_any(self, states: list[GrammarState], timeout: float) -> None:
