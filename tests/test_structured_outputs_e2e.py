@@ -230,9 +230,10 @@ def test_tool_choice_required_and_named(client, stream):
         )
         if stream:
             with client.chat.completions.stream(**kw) as s:
-                for _ in s:
-                    pass
+                fragments = [e for e in s if e.type == "tool_calls.function.arguments.delta"]
                 final = s.get_final_completion()
+            # The arguments arrive as they are generated, in several fragments.
+            assert len(fragments) > 2
         else:
             final = client.chat.completions.create(**kw)
         c = final.choices[0]
