@@ -112,11 +112,12 @@ class CallScanner:
 
     def _marker_at(self, i: int) -> int | None:
         """Length of the marker at ``i`` (0: none; None: the text ends inside one)."""
-        rest = self.text[i:]
+        t = self.text
+        left = len(t) - i
         for m in self.markers:
-            if rest.startswith(m):
+            if t.startswith(m, i):
                 return len(m)
-            if len(rest) < len(m) and m.startswith(rest):
+            if left < len(m) and m.startswith(t[i:]):
                 return None
         return 0
 
@@ -165,13 +166,13 @@ class CallScanner:
             cur.value_read = False
 
     def _string_end(self, i: int, out: list) -> None:
+        cur = self.current
+        if cur is None or cur.depth != self.depth:
+            return  # a string inside a value: only the call's own members matter
         try:
             value = json.loads(self.text[self.string_start : i + 1])
         except json.JSONDecodeError:
             value = None
-        cur = self.current
-        if cur is None or cur.depth != self.depth:
-            return
         if cur.key is None:
             cur.key = value if isinstance(value, str) else ""
             return
