@@ -257,6 +257,7 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
         messages=[{"role": "user", "content": "weather?"}],
         tools=[WEATHER],
         max_tokens=120,
+        seed=6,  # the streamed call below is compared with this one
         extra_body={"guided_regex": regex},
     )
     r = client.chat.completions.create(**kw)
@@ -417,6 +418,15 @@ def test_anthropic_tools_and_errors(claude):
         final = s.get_final_message()
     (streamed,) = [b for b in final.content if b.type == "tool_use"]
     jsonschema.validate(streamed.input, tool["input_schema"])
+    # "any" (OpenAI's "required"): the call streams as it is generated, in pieces.
+    any_one = {"type": "any", "disable_parallel_tool_use": True}
+    with claude.messages.stream(**{**kw, "max_tokens": 150, "tool_choice": any_one}) as s:
+        pieces = [e for e in s if e.type == "input_json"]
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and len(pieces) > 2
+    for block in final.content:
+        if block.type == "tool_use":
+            jsonschema.validate(block.input, tool["input_schema"])
     # A conversation with the call and its result renders.
     follow = claude.messages.create(
         model="tiny",
