@@ -181,7 +181,7 @@ CHAT_400 = [
             "response_format": {"type": "structural_tag"},
         },
         "response_format",
-        "not supported by pagectl",
+        "structural_tag needs `structures` and `triggers`",
     ),
     (
         {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 3},

@@ -186,6 +186,30 @@ def test_regex_choice_and_ebnf(client):
         assert re.fullmatch(r"\([0-9](\+[0-9]){0,3}\)", c.message.content), c.message.content
 
 
+def test_structural_tag_response_format(client):
+    # vLLM's shape: free text, and every "=" goes on as a tag holding JSON for the schema.
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "=t>", "schema": schema, "end": "</t>"}],
+        "triggers": ["="],
+    }
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, n=6, seed=3, response_format=tag
+    )
+    bodies = [b for c in r.choices for b in re.findall(r"=t>(.*?)</t>", c.message.content, re.S)]
+    assert bodies
+    for body in bodies:
+        jsonschema.validate(json.loads(body), schema)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "structural_tag", "structures": [], "triggers": ["="]},
+        )
+    assert e.value.body["param"] == "response_format"
+
+
 def _params(name: str) -> dict:
     return next(t for t in (WEATHER, TIME) if t["function"]["name"] == name)["function"][
         "parameters"
@@ -206,9 +230,10 @@ def test_tool_choice_required_and_named(client, stream):
         )
         if stream:
             with client.chat.completions.stream(**kw) as s:
-                for _ in s:
-                    pass
+                fragments = [e for e in s if e.type == "tool_calls.function.arguments.delta"]
                 final = s.get_final_completion()
+            # The arguments arrive as they are generated, in several fragments.
+            assert len(fragments) > 2
         else:
             final = client.chat.completions.create(**kw)
         c = final.choices[0]
@@ -232,6 +257,7 @@ def test_auto_tool_choice_with_the_hermes_parser(client):
         messages=[{"role": "user", "content": "weather?"}],
         tools=[WEATHER],
         max_tokens=120,
+        seed=6,  # the streamed call below is compared with this one
         extra_body={"guided_regex": regex},
     )
     r = client.chat.completions.create(**kw)
@@ -394,6 +420,15 @@ def test_anthropic_tools_and_errors(claude):
         final = s.get_final_message()
     (streamed,) = [b for b in final.content if b.type == "tool_use"]
     jsonschema.validate(streamed.input, tool["input_schema"])
+    # "any" (OpenAI's "required"): the call streams as it is generated, in pieces.
+    any_one = {"type": "any", "disable_parallel_tool_use": True}
+    with claude.messages.stream(**{**kw, "max_tokens": 150, "tool_choice": any_one}) as s:
+        pieces = [e for e in s if e.type == "input_json"]
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and len(pieces) > 2
+    for block in final.content:
+        if block.type == "tool_use":
+            jsonschema.validate(block.input, tool["input_schema"])
     # A conversation with the call and its result renders.
     follow = claude.messages.create(
         model="tiny",

@@ -255,15 +255,7 @@ class Scheduler(LiveConfigMixin):
                 if num_new <= 0:
                     i += 1  # a beam that has its next-token row and waits for its group
                     continue
-                if (
-                    num_new == 1
-                    and spec_k
-                    and budget > 1
-                    and req.seq_id not in self._beam_of
-                    # A grammar's matcher moves one sampled token at a time: constrained
-                    # sequences decode without proposals.
-                    and req.grammar is None
-                ):
+                if num_new == 1 and spec_k and budget > 1 and req.seq_id not in self._beam_of:
                     drafts = self._propose(req, min(spec_k, budget - 1))
                     # Proposals never cause a preemption: without room they are dropped.
                     if drafts and kv.allocate_slots(req, 1 + len(drafts)):
@@ -336,7 +328,11 @@ class Scheduler(LiveConfigMixin):
         if k <= 0:
             return []
         assert self.proposer is not None
-        return self.proposer.propose(req.all_token_ids, k)
+        drafts = self.proposer.propose(req.all_token_ids, k)
+        if drafts and req.grammar is not None:
+            # Constrained: cut at the first proposal the grammar rejects.
+            drafts = drafts[: req.grammar.num_valid(drafts)]
+        return drafts
 
     def _admit(
         self, budget: int, seqs: list[Request], counts: list[int], samples: list[bool]
@@ -629,13 +625,22 @@ class Scheduler(LiveConfigMixin):
         stop_ids = req.stop_ids
         new: list[int] = []
         status = None
+        g = req.grammar
         for t in gained:
             tokens.append(t)
             new.append(t)
+            if g is not None and not g.accept(t):
+                # Never: proposals were checked and samples drawn under the grammar's mask.
+                status = RequestStatus.FINISHED_ERROR
+                req.error = f"structured_outputs: token {t} does not fit the grammar"
+                break
             if t in stop_ids and len(tokens) >= req.min_num_tokens:
                 status = RequestStatus.FINISHED_STOPPED
                 if t in req.sampling_params.stop_token_ids:
                     req.stop_reason = t
+                break
+            if g is not None and g.terminated:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                 break
             if len(tokens) >= req.max_num_tokens:
                 status = RequestStatus.FINISHED_LENGTH

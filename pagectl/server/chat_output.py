@@ -2,11 +2,14 @@
 tool calls found (required / named tool choice, or ``auto`` with ``--tool-call-parser``), and
 the streaming deltas for both, per choice.
 
-Streaming rules: reasoning text goes out as ``reasoning_content`` deltas; with a named tool
-choice the output is the call's arguments, streamed as argument fragments after a first delta
-with the call's index, id and name; with ``required`` (a JSON array of calls) and with ``auto``
-from the first tool-call marker on, the text is held and the calls go out when the choice
-ends (each as an opening delta, then its arguments).
+Streaming rules: reasoning text goes out as ``reasoning_content`` deltas; tool calls go out
+as they are generated, as OpenAI streams them (a first delta with the call's index, id, type
+and name, then argument fragments): with a named tool choice the output is the call's
+arguments; with ``required`` (a JSON array of calls) and with ``auto`` from the first
+tool-call marker on, ``tools/streaming.py`` reads the calls from the growing text. With
+``auto``, content before the marker streams as it comes; text after the marker is never
+content once a call went out. A choice cut short (``length``) keeps the partial calls it
+streamed; one that streamed no call sends its held text as content at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pagectl.server import reasoning
 from pagectl.server.tools.parsers import get_parser
 from pagectl.server.tools.request import ToolSpec
 from pagectl.server.tools.response import ToolCall, arguments_delta, calls_from_required
+from pagectl.server.tools.streaming import CallScanner
 
 
 class ChatOutput:
@@ -81,6 +85,8 @@ class ChoiceStream:
         self.content = ""  # content text seen (after reasoning was split off)
         self.sent = 0  # of it, sent as content deltas
         self.named_call: ToolCall | None = None
+        # Required and auto: reads calls from the text (auto: from the first marker on).
+        self.scanner: CallScanner | None = CallScanner() if out.mode == "required" else None
 
     def push(
         self, text: str, finished: bool, finish_reason: str | None
@@ -112,24 +118,41 @@ class ChoiceStream:
             if finished and finish_reason == "stop":
                 finish_reason = "tool_calls"
             return deltas, finish_reason
-        if mode == "auto" and not finished:
-            parser = self.out.parser
-            assert parser is not None
-            safe = parser.safe_prefix(self.content)
-            if safe > self.sent:
-                deltas.append({"content": self.content[self.sent : safe]})
-                self.sent = safe
-            return deltas, finish_reason
+        if self.scanner is not None:
+            fed = c
+        else:
+            fed = self._auto_content(deltas)  # auto: the content before a marker goes out
+        if self.scanner is not None and fed:
+            deltas += [{"tool_calls": [d]} for d in self.scanner.feed(fed)]
         if not finished:
-            return deltas, finish_reason  # required: held until the end
-        calls, _ = self.out._calls(self.content, finish_reason)
-        if calls:
-            for i, call in enumerate(calls):
+            return deltas, finish_reason
+        streamed = self.scanner.calls if self.scanner is not None else []
+        if not streamed:
+            calls, _ = self.out._calls(self.content, finish_reason)
+            for i, call in enumerate(calls):  # (never expected: the scanner found none)
                 deltas.append({"tool_calls": [call.opening_delta(i)]})
                 deltas.append({"tool_calls": [arguments_delta(i, call.arguments)]})
+            streamed = calls
+        if streamed:
+            self.sent = len(self.content)
             if finish_reason == "stop":
                 finish_reason = "tool_calls"
         elif self.sent < len(self.content):
             deltas.append({"content": self.content[self.sent :]})
             self.sent = len(self.content)
         return deltas, finish_reason
+
+    def _auto_content(self, deltas: list[dict]) -> str:
+        """Auto tool choice: stream the content that cannot be a call; once a whole start
+        marker is seen, start the scanner there. Returns the text for the scanner."""
+        parser = self.out.parser
+        assert parser is not None
+        safe = parser.safe_prefix(self.content)
+        if safe > self.sent:
+            deltas.append({"content": self.content[self.sent : safe]})
+            self.sent = safe
+        rest = self.content[safe:]
+        if any(rest.lstrip().startswith(m) for m in parser.start_markers):
+            self.scanner = CallScanner(parser.stream_markers)
+            return rest
+        return ""

@@ -27,11 +27,15 @@ GUIDED_FIELDS = {
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    "structural_tag": "structural_tag",
 }
-# vLLM's structured_outputs keys. Refused: structural_tag (not implemented here),
-# whitespace_pattern and disable_additional_properties (no such knob in the backend used).
-_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-_SO_REFUSED = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
+# vLLM's structured_outputs keys. Refused: whitespace_pattern and
+# disable_additional_properties (no such knob in the backend used).
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_SO_REFUSED = ("whitespace_pattern", "disable_additional_properties")
+# xgrammar's message for a structural tag that names tokens: only the engine, which has the
+# tokenizer's vocabulary, can check it.
+_NEEDS_TOKENIZER = "requires tokenizer_info"
 _BACKENDS = ("auto", "xgrammar")
 
 
@@ -79,12 +83,12 @@ def _response_format(fmt: Any) -> tuple[str, Any] | None:
             )
         return "json", schema
     if kind == "structural_tag":
-        raise bad_request(
-            '`response_format` {"type": "structural_tag"} is not supported by pagectl',
-            "response_format",
-        )
+        # vLLM's shape: the response format itself is the tag ("structures" + "triggers",
+        # or xgrammar's "format").
+        return "structural_tag", fmt
     raise bad_request(
-        f"response_format.type must be text, json_object or json_schema, got {json.dumps(kind)}",
+        "response_format.type must be text, json_object, json_schema or structural_tag, "
+        f"got {json.dumps(kind)}",
         "response_format",
     )
 
@@ -141,9 +145,8 @@ def parse_structured(body: dict) -> Constraint | None:
             f"xgrammar), got {json.dumps(backend)}",
             "guided_decoding_backend",
         )
-    for name in ("guided_whitespace_pattern", "structural_tag"):
-        if body.get(name) is not None:
-            raise not_supported(name)
+    if body.get("guided_whitespace_pattern") is not None:
+        raise not_supported("guided_whitespace_pattern")
     if body.get("guided_json_object") is not None:
         raise not_supported("guided_json_object")
     if not sources:
@@ -163,6 +166,17 @@ def parse_structured(body: dict) -> Constraint | None:
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{field}: the JSON schema must be an object", field)
         value = canonical_json(value)
+    if kind == "structural_tag":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise bad_request(
+                    f"{field}: the structural tag is not valid JSON: {e}", field
+                ) from None
+        if not isinstance(value, dict):
+            raise bad_request(f"{field}: the structural tag must be an object", field)
+        value = canonical_json(value)
     try:
         params = StructuredOutputsParams(**{kind: value}, disable_any_whitespace=ws)
     except StructuredOutputsError as e:
@@ -177,6 +191,8 @@ def check_grammar(constraint: Constraint) -> None:
     try:
         build_grammar(constraint.params, bool(ws))
     except StructuredOutputsError as e:
+        if constraint.params.kind == "structural_tag" and _NEEDS_TOKENIZER in str(e):
+            return  # the engine's compile checks it (a failure ends the request with it)
         raise bad_request(
             f"{constraint.param}: the constraint cannot be compiled: {e}", constraint.param
         ) from None

@@ -46,8 +46,8 @@ class SpecRow:
         # The same seq_id: a seeded sequence draws every row from its own generator.
         self.seq_id = req.seq_id
         self.index = req.index
-        # Constrained sequences are never speculated (the scheduler proposes nothing for them).
-        self.grammar = None
+        # A constrained sequence's row j: its grammar as if the j proposals were accepted.
+        self.grammar = None if req.grammar is None else req.grammar.view_ahead(extra)
 
     @property
     def all_token_ids(self) -> list[int]:

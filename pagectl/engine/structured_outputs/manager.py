@@ -9,6 +9,11 @@ Invariants:
   share the compiled grammar (``CompiledGrammar`` is immutable and thread-safe).
 - A sequence's matcher has accepted exactly its output tokens so far. Preemption keeps it
   (sampled tokens are recomputed, never sampled again); a fork copies it.
+- Speculation: proposals are cut at the first token the grammar rejects (``num_valid``);
+  the sampler fills verification row j with the matcher advanced through the first j
+  proposals (``fill_ahead``) and rolls it back once the batch's rows are filled
+  (``settle``); the scheduler then accepts the tokens the sequence gained. Between steps
+  the invariant above holds.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from typing import Any
 from pagectl.engine.structured_outputs.params import (
     StructuredOutputsError,
     StructuredOutputsParams,
+    backend_message,
     build_grammar,
+    structural_tag_text,
 )
 
 # Compiled grammars kept (least recently submitted dropped first).
@@ -31,7 +38,7 @@ MAX_CACHED_GRAMMARS = 512
 class GrammarState:
     """One sequence's constraint: the (future) compiled grammar and its matcher."""
 
-    __slots__ = ("future", "matcher", "error")
+    __slots__ = ("future", "matcher", "error", "ahead")
 
     def __init__(self, future: Future) -> None:
         self.future = future
@@ -39,6 +46,9 @@ class GrammarState:
         self.matcher: Any = None
         # The compile's error message, when it failed.
         self.error: str | None = None
+        # Proposals the matcher accepted beyond the sequence's tokens while the sampler
+        # fills verification rows; empty outside the sampler's bitmask step.
+        self.ahead: list[int] = []
 
     @property
     def ready(self) -> bool:
@@ -69,7 +79,51 @@ class GrammarState:
         return bool(self.matcher.is_terminated())
 
     def fill(self, bitmask: Any, row: int) -> None:
+        self.settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    # -- speculation ----------------------------------------------------------------------
+
+    def num_valid(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from the sequence's state (the
+        matcher is rolled back: its state does not change)."""
+        matcher = self.matcher
+        n = 0
+        for t in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def fill_ahead(self, bitmask: Any, row: int, tokens: list[int]) -> None:
+        """Fill ``row`` with the tokens allowed after the sequence's tokens and then
+        ``tokens`` (proposals that ``num_valid`` accepted). Rows of one sequence filled in
+        order advance the matcher one token each."""
+        ahead = self.ahead
+        common = 0
+        for a, t in zip(ahead, tokens):
+            if a != t:
+                break
+            common += 1
+        if len(ahead) > common:
+            self.matcher.rollback(len(ahead) - common)
+            del ahead[common:]
+        for t in tokens[common:]:
+            if not self.matcher.accept_token(t):
+                raise RuntimeError(f"proposal {t} does not fit the grammar")
+            ahead.append(t)
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def settle(self) -> None:
+        """Roll the matcher back to the sequence's own tokens."""
+        if self.ahead:
+            self.matcher.rollback(len(self.ahead))
+            self.ahead.clear()
+
+    def view_ahead(self, tokens: list[int]) -> GrammarAhead:
+        return GrammarAhead(self, tokens)
 
     def fork(self) -> GrammarState:
         """A copy for a forked sequence: same grammar, its own matcher in the same state."""
@@ -78,6 +132,26 @@ class GrammarState:
         if self.matcher is not None:
             child.matcher = self.matcher.fork()
         return child
+
+
+class GrammarAhead:
+    """A verification row's grammar: the sequence's matcher as if ``tokens`` (its first
+    proposals) were already accepted. What the sampler's bitmask step calls."""
+
+    __slots__ = ("state", "tokens")
+
+    def __init__(self, state: GrammarState, tokens: list[int]) -> None:
+        self.state = state
+        self.tokens = tokens
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        if self.tokens:
+            self.state.fill_ahead(bitmask, row, self.tokens)
+        else:
+            self.state.fill(bitmask, row)
+
+    def settle(self) -> None:
+        self.state.settle()
 
 
 def _relay(src: Future, dst: Future) -> None:
@@ -144,7 +218,12 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams, disable_ws: bool) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        grammar = build_grammar(params, disable_ws)
+        if params.kind == "structural_tag":
+            # Compiled from its text by the compiler: a ``token`` format names tokens, which
+            # only the compiler's tokenizer can resolve.
+            grammar: Any = structural_tag_text(params, disable_ws)
+        else:
+            grammar = build_grammar(params, disable_ws)
         try:
             if self.compiler is None:
                 import xgrammar as xgr
@@ -155,9 +234,12 @@ class StructuredOutputManager:
                     stop_token_ids=self.stop_token_ids or None,
                 )
                 self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-            compiled = self.compiler.compile_grammar(grammar)
+            if isinstance(grammar, str):
+                compiled = self.compiler.compile_structural_tag(grammar)
+            else:
+                compiled = self.compiler.compile_grammar(grammar)
         except Exception as e:
-            raise StructuredOutputsError("structured_outputs", str(e)) from None
+            raise StructuredOutputsError("structured_outputs", backend_message(e)) from None
         return compiled, time.perf_counter() - t0
 
     def wait_any(self, states: list[GrammarState], timeout: float) -> None:

@@ -1,8 +1,9 @@
 """``StructuredOutputsParams``: the constraint of one request, as vLLM names its fields.
 
-Exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` is set. The
-value crosses the process boundary inside ``SamplingParams`` as a plain dict, so ``json`` is
-kept as a canonical JSON string (sorted keys): equal schemas give equal cache keys.
+Exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``structural_tag`` is set. The value crosses the process boundary inside ``SamplingParams`` as
+a plain dict, so ``json`` and ``structural_tag`` are kept as canonical JSON strings (sorted
+keys): equal schemas give equal cache keys.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Kinds of constraint, in the order their field is checked.
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:N: "; clients get the rest.
 _BACKEND_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 # Longest constraint source accepted (schema, regex, grammar or all choices together).
@@ -48,6 +49,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     # Any JSON object.
     json_object: bool = False
+    # A structural tag (``structural_tag.py``), as canonical JSON text (a dict is serialised).
+    structural_tag: str | None = None
     # True: the JSON grammar admits no free whitespace (compact output; a weak model cannot
     # pad forever). None: the engine's default (--structured-outputs-config).
     disable_any_whitespace: bool | None = None
@@ -55,12 +58,14 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, list, bool)):
             self.json = canonical_json(self.json)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = canonical_json(self.structural_tag)
         set_kinds = [k for k in KINDS if self._value(k) not in (None, False)]
         if len(set_kinds) != 1:
             raise StructuredOutputsError(
                 "structured_outputs",
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
-                f"json_object; got {', '.join(set_kinds) or 'none'}",
+                f"json_object, structural_tag; got {', '.join(set_kinds) or 'none'}",
             )
         if self.choice is not None:
             if (
@@ -72,7 +77,7 @@ class StructuredOutputsParams:
                     "structured_outputs", "choice must be a non-empty list of strings"
                 )
             self.choice = list(self.choice)
-        for k in ("json", "regex", "grammar"):
+        for k in ("json", "regex", "grammar", "structural_tag"):
             v = self._value(k)
             if v is not None and not isinstance(v, str):
                 raise StructuredOutputsError("structured_outputs", f"{k} must be a string")
@@ -112,6 +117,16 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def structural_tag_text(params: StructuredOutputsParams, disable_any_whitespace: bool) -> str:
+    """The xgrammar structural tag of a ``structural_tag`` constraint (JSON text)."""
+    from pagectl.engine.structured_outputs.structural_tag import normalize
+
+    try:
+        return normalize(params.structural_tag, disable_any_whitespace)
+    except ValueError as e:
+        raise StructuredOutputsError("structured_outputs", str(e)) from None
+
+
 def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool) -> Any:
     """The xgrammar ``Grammar`` for ``params`` (no tokenizer needed: the API server runs
     this to refuse a bad constraint with 400). Raises ``StructuredOutputsError``."""
@@ -130,6 +145,12 @@ def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool)
             # JSON string escapes are valid EBNF string literals.
             alternatives = " | ".join(json.dumps(c) for c in params.choice or [])
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(
+                structural_tag_text(params, disable_any_whitespace)
+            )
         return xgr.Grammar.from_ebnf(str(params.grammar))
+    except StructuredOutputsError:
+        raise
     except Exception as e:  # the backend raises RuntimeError / ValueError with its message
         raise StructuredOutputsError("structured_outputs", backend_message(e)) from None

@@ -12,6 +12,8 @@ class ToolParser:
     name = ""
     # Text that opens a tool call in this format.
     start_markers: tuple[str, ...] = ()
+    # Marker text around and between calls, skipped when calls are streamed.
+    stream_markers: tuple[str, ...] = ()
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """Split a finished output into content (None when empty) and tool calls. Text

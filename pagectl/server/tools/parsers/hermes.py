@@ -14,6 +14,7 @@ _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 class HermesToolParser(ToolParser):
     name = "hermes"
     start_markers = ("<tool_call>",)
+    stream_markers = ("<tool_call>", "</tool_call>")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find("<tool_call>")

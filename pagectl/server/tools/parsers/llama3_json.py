@@ -12,6 +12,7 @@ _TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     start_markers = (_TAG, "{")
+    stream_markers = (_TAG,)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()

@@ -13,6 +13,7 @@ _MARK = "[TOOL_CALLS]"
 class MistralToolParser(ToolParser):
     name = "mistral"
     start_markers = (_MARK,)
+    stream_markers = (_MARK,)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find(_MARK)
