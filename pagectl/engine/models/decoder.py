@@ -31,7 +31,7 @@ from pagectl.engine.models.linear import (
     RowParallelLinear,
 )
 from pagectl.engine.models.parallel import SINGLE, TPGroup
-from pagectl.engine.models.rotary import RotaryEmbedding, apply_rotary
+from pagectl.engine.models.rotary import RotaryEmbedding, apply_rotary, apply_rotary_full
 from pagectl.engine.models.weights import default_weight_loader
 from pagectl.engine.quant.config import QuantConfig
 
@@ -124,7 +124,8 @@ class DecoderAttention(nn.Module):
         qk = qkv[:, : n_qk * d].view(t, n_qk, d)
         if self.qk_norm:
             qk = self._norm_qk(qk)
-        qk = apply_rotary(qk, cos, sin)
+        # Full-width tables (the whole head rotated) take the four-op form.
+        qk = apply_rotary_full(qk, cos, sin) if cos.shape[-1] == d else apply_rotary(qk, cos, sin)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, n_qk * d :].view(t, self.num_kv_heads, d)
@@ -269,7 +270,9 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for the packed rows of one step."""
-        cos, sin = self.rotary_emb.cos_sin(positions, self.dtype, meta.token_seq_lens)
+        rot = self.rotary_emb
+        tables = rot.cos_sin_full if rot.rotary_dim == rot.head_dim else rot.cos_sin
+        cos, sin = tables(positions, self.dtype, meta.token_seq_lens)
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:

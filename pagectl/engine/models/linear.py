@@ -19,7 +19,9 @@ path for the skinny and mid-size matmuls of a serving step (figures: docs/MODEL_
 
 Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
 ``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
-quantized per rank), and ``expect_int4_checkpoint()`` (called before loading an AWQ or GPTQ
+quantized per rank, to exactly their part of the TP = 1 quantized weight: a row-parallel
+shard's int8 scales come from the whole rows, through a max over the group, and int4 groups
+lie inside a rank's features whenever the group divides them), and ``expect_int4_checkpoint()`` (called before loading an AWQ or GPTQ
 checkpoint) swaps the float weight for the canonical int4 tensors the checkpoint reader
 yields; they shard with the same loaders, since their features lie along the same dims.
 """
@@ -135,13 +137,18 @@ class PackableLinear(nn.Module):
             return
         w = self.weight.data
         if method == "int8":
-            self._quantized = Int8Weight.quantize(w)
+            self._quantized = Int8Weight.quantize(w, self._int8_row_absmax(w))
         elif method == "int4":
             self._quantized = Int4Weight.quantize(w, int4_group_for(w.shape[1], group_size))
         else:
             raise ValueError(f"unknown quantization method {method!r}")
         self._packed = None
         self._free_weight()
+
+    def _int8_row_absmax(self, w: torch.Tensor) -> torch.Tensor | None:
+        """Each output row's largest |w| over the whole row (None: this shard holds whole
+        rows). Row-parallel layers override it."""
+        return None
 
     def pack_for_cpu(self) -> bool:
         """Switch to the packed CPU path; frees the plain weight unless it is shared.
@@ -305,6 +312,14 @@ class RowParallelLinear(PackableLinear):
 
     def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         copy_checked(param.data, read(loaded))
+
+    def _int8_row_absmax(self, w: torch.Tensor) -> torch.Tensor | None:
+        # A rank holds part of each row: the scale comes from the whole row (every rank
+        # quantizes its layers in the same order, so this collective pairs up), so a
+        # rank's int8 weights are exactly its columns of the TP = 1 int8 weight.
+        if self.tp.size == 1:
+            return None
+        return self.tp.all_reduce_max(w.float().abs().amax(dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)

@@ -39,6 +39,15 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of ``x`` over the group, in place. Identity at size 1."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``x`` concatenated along ``dim`` on rank 0 (rank order); None on the
         other ranks. Identity at size 1. Every rank's ``x`` must have the same shape."""

@@ -4,8 +4,8 @@ Types: default, linear, dynamic (NTK), yarn and llama3, computed as transformers
 (float32 inverse frequencies, cos/sin multiplied by the yarn attention factor). The rotation
 is the "rotate half" (GPT-NeoX) layout: the first and second halves of the rotated dims pair up.
 
-cos/sin for positions [0, n) are cached and grown on demand; ``cos_sin`` is called once per
-forward and shared by every layer. Dynamic NTK rescales by sequence length: a token is rotated
+cos/sin for positions [0, n) are cached and grown on demand; ``cos_sin`` (or, when the whole
+head is rotated, ``cos_sin_full``) is called once per forward and shared by every layer. Dynamic NTK rescales by sequence length: a token is rotated
 with the frequencies for the length of its sequence at the end of the step that computes it
 (transformers' rule for one sequence: the longest position in the forward decides), so within
 the pre-trained length it equals the default rotation.
@@ -112,6 +112,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq
         self._cos = torch.empty(0, self.rotary_dim // 2)
         self._sin = torch.empty(0, self.rotary_dim // 2)
+        self._cos_full = torch.empty(0, self.rotary_dim)
+        self._sin_signed = torch.empty(0, self.rotary_dim)
 
     @property
     def is_dynamic(self) -> bool:
@@ -126,6 +128,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self._cos = (freqs.cos() * self.attention_scaling).to(device)
         self._sin = (freqs.sin() * self.attention_scaling).to(device)
+        # Full-width tables for apply_rotary_full: [cos | cos] and [-sin | sin].
+        self._cos_full = torch.cat([self._cos, self._cos], dim=-1)
+        self._sin_signed = torch.cat([-self._sin, self._sin], dim=-1)
 
     def cos_sin(
         self,
@@ -143,6 +148,22 @@ class RotaryEmbedding(nn.Module):
         else:
             cos = self._cos.index_select(0, positions)
             sin = self._sin.index_select(0, positions)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def cos_sin_full(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        token_seq_lens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cos | cos]`` and ``[-sin | sin]`` for each token, shaped [T, 1, rotary_dim], in
+        ``dtype``: the operands of ``apply_rotary_full`` (same arguments as ``cos_sin``)."""
+        if token_seq_lens is not None and self.is_dynamic:
+            cos, sin = self._dynamic_cos_sin(positions, token_seq_lens)
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        else:
+            cos = self._cos_full.index_select(0, positions)
+            sin = self._sin_signed.index_select(0, positions)
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def _dynamic_cos_sin(
@@ -172,3 +193,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if rotary_dim < x.shape[-1]:
         parts.append(x[..., rotary_dim:])
     return torch.cat(parts, dim=-1)
+
+
+def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` when the whole head is rotated, in four ops instead of nine:
+    ``x * [cos | cos] + roll(x) * [-sin | sin]``, where ``roll`` swaps the halves
+    (``[x2 | x1]``). Bit for bit the same values: each half is the same two products added
+    in the same order (``x1 * cos + x2 * -sin`` equals ``x1 * cos - x2 * sin`` exactly).
+    ``cos``/``sin``: ``RotaryEmbedding.cos_sin_full``'s [T, 1, head_dim]."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -33,9 +33,13 @@ class Int8Weight:
         self.out_features = q.shape[0]
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> Int8Weight:
+    def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
+        """``row_absmax`` [N]: the largest |w| of each whole output row, when ``w`` holds only
+        some of its input features (a row-parallel shard); default: ``w``'s own."""
         w = w.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        if row_absmax is None:
+            row_absmax = w.abs().amax(dim=1)
+        scale = (row_absmax.float() / 127).clamp(min=1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scale)
 
