@@ -396,14 +396,15 @@ async def test_metrics_names_and_values(make_client):
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
-    assert values["pagectl:num_requests_running"] == 0
-    assert values["pagectl:num_requests_waiting"] == 0
-    assert values["pagectl:kv_cache_usage_perc"] == 0
-    assert values["pagectl:kv_cache_token_usage_perc"] == 0
-    assert values["pagectl:prefix_cache_queries_total"] == 80
-    assert values["pagectl:prefix_cache_hits_total"] == 32
-    assert values["pagectl:generation_tokens_total"] == 6
-    assert values["pagectl:prompt_tokens_total"] == 80 - 32
+    e0 = '{engine="0"}'  # every per-engine series carries the engine label, as vLLM's
+    assert values["pagectl:num_requests_running" + e0] == 0
+    assert values["pagectl:num_requests_waiting" + e0] == 0
+    assert values["pagectl:kv_cache_usage_perc" + e0] == 0
+    assert values["pagectl:kv_cache_token_usage_perc" + e0] == 0
+    assert values["pagectl:prefix_cache_queries_total" + e0] == 80
+    assert values["pagectl:prefix_cache_hits_total" + e0] == 32
+    assert values["pagectl:generation_tokens_total" + e0] == 6
+    assert values["pagectl:prompt_tokens_total" + e0] == 80 - 32
     assert values['pagectl:request_success_total{finished_reason="length"}'] == 2
     assert values["pagectl:time_to_first_token_seconds_count"] == 2
     assert values["pagectl:inter_token_latency_seconds_count"] == 4

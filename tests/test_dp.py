@@ -59,7 +59,7 @@ def daemons(tmp_path_factory, tiny_qwen3, tok_dir):
         for d in ds:
             d.launch()
         for d in ds:
-            d.wait_ready(180)
+            d.wait_ready(400)  # three daemons start at once on a shared machine
         yield {"real": real, "kill": fake[0], "term": fake[1]}
     finally:
         for d in ds:
@@ -121,14 +121,25 @@ def test_sdk_greedy_outputs_equal_a_single_engine(daemons, client, tiny_qwen3):
 
 
 def test_shared_prefix_lands_its_hits_on_one_engine(daemons, client):
-    before = _decisions(daemons["real"])
+    d = daemons["real"]
+    before = _decisions(d)
     cached = []
     for i in range(16):
+        applied = sum(_by_engine(_metrics(d), "pagectl:dp_kv_event_batches_total").values())
         r = client.completions.create(
             model="tiny", prompt=SYSTEM + f"Question {i}?", max_tokens=2, temperature=0
         )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        time.sleep(0.05)  # the KV events of this prefill reach the dispatcher
+        if i == 0:  # the first prefill's KV events reach the dispatcher (a loaded machine
+            # can delay them past the next request, which would then go by load)
+            deadline = time.monotonic() + 10
+            while (
+                sum(_by_engine(_metrics(d), "pagectl:dp_kv_event_batches_total").values())
+                <= applied
+            ):
+                assert time.monotonic() < deadline, "no KV-event batch reached the dispatcher"
+                time.sleep(0.05)
+        time.sleep(0.05)
     assert sum(c > 0 for c in cached) >= 14, cached
     after = _decisions(daemons["real"])
     sent = sorted(after[e] - before.get(e, 0) for e in after)
@@ -177,7 +188,7 @@ def test_ctl_engine_status_and_the_engine_label(daemons):
 
 def _streams(d: DaemonProcess, n: int, max_tokens: int = 200):
     """``n`` streaming completions opened in turn (round robin: engine i % 2), each read
-    up to its first chunk."""
+    up to its first chunk: (connection, response) pairs."""
     import http.client
 
     out = []
@@ -188,7 +199,7 @@ def _streams(d: DaemonProcess, n: int, max_tokens: int = 200):
         r = c.getresponse()
         assert r.status == 200
         assert r.readline().startswith(b"data: ")
-        out.append(r)
+        out.append((c, r))
     return out
 
 
@@ -200,13 +211,27 @@ def _engine_pids(d: DaemonProcess) -> list[int]:
     return [k.pid for k in sorted(kids, key=lambda k: (k.create_time(), k.pid))]
 
 
-def test_killing_one_engine_fails_only_its_requests(daemons):
+def _running(d: DaemonProcess, engine: int) -> tuple[int, int]:
+    r = d.ctl("--engine", str(engine), "status", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    return s["num_running"] + s["num_waiting"], s["kv"]["num_used_blocks"]
+
+
+def test_disconnects_abort_on_their_engine_then_one_engine_is_killed(daemons):
     import os
 
     d = daemons["kill"]
+    gone = _streams(d, 2)  # engines 0, 1; 200 tokens take 10 s at 50 ms a step
+    for conn, _ in gone:
+        conn.close()  # the client leaves mid-stream
+    deadline = time.monotonic() + 5
+    while [_running(d, 0), _running(d, 1)] != [(0, 0), (0, 0)]:
+        assert time.monotonic() < deadline, [_running(d, 0), _running(d, 1)]
+        time.sleep(0.2)
     streams = _streams(d, 4)  # engines 0, 1, 0, 1
     os.kill(_engine_pids(d)[1], signal.SIGKILL)
-    texts = [s.read().decode() for s in streams]
+    texts = [r.read().decode() for _, r in streams]
     assert ['"error"' in t for t in texts] == [False, True, False, True], texts
     assert all(t.rstrip().endswith("data: [DONE]") for t in texts)
     with urllib.request.urlopen(d.base_url + "/health", timeout=5) as r:
@@ -231,7 +256,7 @@ def test_sigterm_drains_both_engines(daemons):
     streams = _streams(d, 2, max_tokens=40)  # one on each engine
     assert d.proc is not None
     d.proc.send_signal(signal.SIGTERM)
-    texts = [s.read().decode() for s in streams]
+    texts = [r.read().decode() for _, r in streams]
     for t in texts:
         assert '"error"' not in t and t.rstrip().endswith("data: [DONE]")
         assert re.search(r'"finish_reason": ?"length"', t), t[-300:]

@@ -417,10 +417,14 @@ async def test_metrics_export_the_speculation_counters(make_client):
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
-    assert values["pagectl:spec_decode_num_drafts_total"] == c.spec_decode_num_drafts
-    assert values["pagectl:spec_decode_num_draft_tokens_total"] == c.spec_decode_num_draft_tokens
+    assert values['pagectl:spec_decode_num_drafts_total{engine="0"}'] == c.spec_decode_num_drafts
     assert (
-        values["pagectl:spec_decode_num_accepted_tokens_total"] == c.spec_decode_num_accepted_tokens
+        values['pagectl:spec_decode_num_draft_tokens_total{engine="0"}']
+        == c.spec_decode_num_draft_tokens
+    )
+    assert (
+        values['pagectl:spec_decode_num_accepted_tokens_total{engine="0"}']
+        == c.spec_decode_num_accepted_tokens
     )
     for pos, n in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
         key = (

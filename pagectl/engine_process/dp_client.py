@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
@@ -91,6 +91,8 @@ class DPEngineClient:
         self._block_size = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._followers: list[asyncio.Task] = []
+        # Per engine, what follows its KV events (batches applied, gaps, replays), when any.
+        self.kv_followers: dict[int, Any] = {}
         for i, e in enumerate(engines):
             e.on_dead.append(functools.partial(self._engine_died, i))
 
@@ -121,6 +123,7 @@ class DPEngineClient:
             if ep is None:
                 continue
             follower = Backend(BackendSpec(url=str(i), kv_events=ep[0], replay=ep[1]))
+            self.kv_followers[i] = follower
             self._followers.append(
                 asyncio.create_task(
                     follower.follow_events(self._ctx, self.policy), name=f"kv-events-{i}"
@@ -277,3 +280,19 @@ class DPCollector:
         for i, e in enumerate(c.engines):
             alive.add_metric([str(i)], 1.0 if e.dead is None else 0.0)
         yield alive
+        batches = CounterMetricFamily(
+            "pagectl:dp_kv_event_batches",
+            "KV-event batches of each engine the dispatcher applied to its prefix index.",
+            labels=["engine"],
+        )
+        gaps = CounterMetricFamily(
+            "pagectl:dp_kv_event_gaps",
+            "Gaps in an engine's KV-event sequence numbers the dispatcher saw (filled by "
+            "replay, or the engine's index rebuilt).",
+            labels=["engine"],
+        )
+        for i, f in sorted(c.kv_followers.items()):
+            batches.add_metric([str(i)], f.num_event_batches)
+            gaps.add_metric([str(i)], f.num_event_gaps)
+        yield batches
+        yield gaps
