@@ -66,3 +66,15 @@ def test_the_fast_path_is_taken(monkeypatch):
     parse_json(_big('"n": 1'))
     parse_json(b'{"n": 1}')
     assert calls == [1]
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30])
+def test_a_long_integer_in_a_big_body_is_still_found(value):
+    from pagectl.server.field_checks import check_body
+
+    raw = _big(f'"priority": {value}')
+    with pytest.raises(APIError) as ei:
+        check_body(parse_json(raw), raw)
+    assert ei.value.status == 400 and ei.value.param == "priority"
+    ok = _big(f'"priority": {2**63 - 1}, "n": -{2**63}')
+    check_body(parse_json(ok), ok)  # the int64 bounds themselves pass

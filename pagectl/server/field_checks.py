@@ -28,7 +28,15 @@ INT64_MAX = 2**63 - 1
 # A JSON text can only produce a lone surrogate through a \uD800-\uDFFF escape, and an
 # integer out of int64 range only with 19 or more digits: bodies without either skip the walk.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-_LONG_INT = re.compile(rb"\d{19}")
+# Every ASCII digit to "0", every other byte to " ": a run of 19 digits (the shortest integer
+# that can leave int64) is then one ``bytes.find``, tens of times faster on megabytes than
+# the regex ``\d{19}``, which tries every position.
+_DIGITS_TO_ZERO = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
+_LONG_DIGIT_RUN = b"0" * 19
+
+
+def _may_hold_long_int(raw: bytes) -> bool:
+    return _LONG_DIGIT_RUN in raw.translate(_DIGITS_TO_ZERO)
 
 
 def _path(parts: list[Any]) -> str:
@@ -75,7 +83,7 @@ def check_body(body: dict[str, Any], raw: bytes | None = None) -> None:
     """400 for the first integer outside int64 or string with a lone surrogate, anywhere in
     ``body`` (keys too). ``raw``, the JSON text, lets bodies that cannot hold either skip the
     walk. Iterative: the depth is whatever the JSON parser accepted."""
-    want_ints = raw is None or _LONG_INT.search(raw) is not None
+    want_ints = raw is None or _may_hold_long_int(raw)
     want_text = raw is None or _SURROGATE_ESCAPE.search(raw) is not None
     if not (want_ints or want_text):
         return

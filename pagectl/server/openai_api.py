@@ -317,9 +317,11 @@ async def _stream(request: web.Request, fmt: _Format) -> web.StreamResponse:
         return resp
     if resp is None:
         resp = await start_sse(request)
-    if fmt.spec.include_usage:
-        await send_event(resp, fmt.usage_chunk())
-    await send_done(resp)
+    # The client may leave after the last token and before [DONE]: nothing to answer then.
+    with contextlib.suppress(ConnectionResetError):
+        if fmt.spec.include_usage:
+            await send_event(resp, fmt.usage_chunk())
+        await send_done(resp)
     return resp
 
 
