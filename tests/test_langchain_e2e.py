@@ -1,5 +1,5 @@
 """End to end through a real ``pagectl daemon`` on the tiny Qwen3 checkpoint (one daemon for
-the module, run with ``--reasoning-parser qwen3``): LangChain's ``ChatOpenAI`` (tool binding,
+the module, run with ``--reasoning-parser qwen3`` and n-gram speculation): LangChain's ``ChatOpenAI`` (tool binding,
 the three ``with_structured_output`` methods, streamed tool calls), and reasoning content in
 messages and streaming deltas.
 
@@ -10,6 +10,7 @@ would download its encodings)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import jsonschema
@@ -84,6 +85,9 @@ def daemon(tmp_path_factory, tiny_qwen3):
             '{"backend": "xgrammar", "disable_any_whitespace": true}',
             "--reasoning-parser",
             "qwen3",
+            # Constrained sequences speculate too: every test here runs through it.
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}',
             "--api-key",
             KEY,
         ],
@@ -232,3 +236,22 @@ def test_langchain_content_leaves_the_reasoning_out(daemon):
     llm = chat(daemon, max_tokens=60, seed=4, extra_body={"guided_regex": THINKING})
     msg = llm.invoke("yes or no?")
     assert msg.content.strip() in ("yes", "no")
+
+
+def test_constrained_requests_speculated(daemon):
+    # Every request of this module is constrained; this one repeats itself, so n-gram
+    # lookup proposes tokens, which the grammar checks.
+    import urllib.request
+
+    client = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0)
+    r = client.completions.create(
+        model="tiny",
+        prompt="ab ab ab ab",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_regex": r"(ab ){8,12}ab\."},
+    )
+    assert re.fullmatch(r"(ab ){8,12}ab\.", r.choices[0].text)
+    metrics = urllib.request.urlopen(daemon.base_url + "/metrics").read().decode()
+    drafts = re.search(r"^pagectl:spec_decode_num_drafts_total (\S+)$", metrics, re.M)
+    assert drafts and float(drafts.group(1)) > 0
