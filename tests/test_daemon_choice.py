@@ -13,6 +13,7 @@ import sys
 import msgspec
 import pytest
 from test_tui_app import wait_until
+from textual.widgets import OptionList
 
 from pagectl.control.protocol import RuntimeInfo
 from pagectl.control.runtime import live_runtimes, remove_stale_runtimes
@@ -165,11 +166,26 @@ async def test_top_without_a_selector_opens_a_picker(two):
     app = PagectlTop(ZmqSource(chooser), chooser=chooser)
     async with app.run_test(size=(120, 40)) as pilot:
         assert await wait_until(pilot, lambda: isinstance(app.screen, DaemonPicker))
+        picker = app.screen
+        assert isinstance(picker, DaemonPicker)
+        # Keys go to the list once it is mounted, focused and has its first line highlighted.
+        assert await wait_until(pilot, lambda: _list_ready(picker))
         assert app.link.state != LIVE  # nothing attached before the operator picks
-        await pilot.press("down", "enter")  # the second (newer) daemon: beta
+        # The picker lists the daemons oldest first: by when each became ready, which for
+        # two daemons launched together is either order. Move to beta's line and attach.
+        models = [info.model for info in picker.choices]
+        assert sorted(models) == ["alpha", "beta"]
+        await pilot.press(*["down"] * models.index("beta"), "enter")
         assert await wait_until(pilot, lambda: app.link.state == LIVE, 20)
         assert app.snapshot.model.model == "beta"
         assert chooser.selector == Selector(url=beta.base_url)
+
+
+def _list_ready(picker: DaemonPicker) -> bool:
+    if not picker.is_mounted:
+        return False
+    options = picker.query(OptionList)
+    return bool(options) and options.first().has_focus and options.first().highlighted == 0
 
 
 # -- the audit trail --------------------------------------------------------------------------

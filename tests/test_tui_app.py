@@ -242,7 +242,9 @@ async def test_panels_show_the_snapshot_figures():
         assert f"{last.steps[-1].num_scheduled_tokens} / 192 budget" in trends
 
         table = app.query_one(RequestsTable)
-        assert table.row_count == len(last.requests)
+        # One line per sequence, and a group line over the n=3 request's samples.
+        assert table.row_count == len(last.requests) + 1
+        assert table.lines_by_key["group:sample"].row.num_blocks == 13
         doc2 = table.rows_by_id["doc-2"]
         assert doc2.state == "preempted" and doc2.num_preemptions == 1
         assert [str(c) for c in table.get_row("sample#1")][7] == "3/4"
@@ -338,7 +340,8 @@ async def test_highlighting_a_request_spotlights_its_blocks():
         block_map = app.query_one(BlockMapView)
         assert block_map._spotlight_cells is None
         await pilot.press("tab")
-        await pilot.press("down", "down", "down", "down")  # doc-0
+        # chat-3, the "sample" group and its 3 samples, then doc-0.
+        await pilot.press("down", "down", "down", "down", "down")
         await pilot.pause()
         row = app.selected_request
         assert seq_id(row) == "doc-0"

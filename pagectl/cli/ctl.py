@@ -165,7 +165,9 @@ def format_status(s: dict) -> str:
             f"{'BLOCKS':>6} {'PREEMPT':>7}"
         )
         for r in reqs:
-            rid = r["request_id"] + (f"#{r['index']}" if r["index"] else "")
+            rid = r.get("seq_id") or r["request_id"] + (f"#{r['index']}" if r["index"] else "")
+            if r.get("beam_width"):
+                rid += f" (beam {r['beam_width']})"
             lines.append(
                 f"  {rid:<40} {r['state']:<9} {r['num_prompt_tokens']:>6} "
                 f"{r['num_output_tokens']:>5} {r['num_cached_tokens']:>6} "

@@ -51,6 +51,17 @@ class InspectBlock(msgspec.Struct, tag="inspect_block", tag_field="cmd"):
     block_id: int
 
 
+class InspectRequest(msgspec.Struct, tag="inspect_request", tag_field="cmd"):
+    """One live request's sequences and their token ids (``engine/inspect.py``), bounded."""
+
+    request_id: str
+    # Only this sequence (its seq id: "id", "id#2", "id#b3"); "" for all of the request's.
+    seq_id: str = ""
+    # Token ids returned per list (the prompt, each sequence's output), at most
+    # ``inspect.MAX_INSPECT_TOKENS``; a longer list keeps its head and tail.
+    max_tokens: int = 1024
+
+
 Command = (
     SetConfig
     | SetPrefixCaching
@@ -60,6 +71,7 @@ Command = (
     | Abort
     | GetStatus
     | InspectBlock
+    | InspectRequest
 )
 
 

@@ -14,19 +14,21 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from pagectl.engine.beam_search import BeamSearchParams
+from pagectl.engine.beam_search import BeamGroup, BeamSearchParams
 from pagectl.engine.commands import (
     Abort,
     Command,
     CommandError,
     GetStatus,
     InspectBlock,
+    InspectRequest,
     Pause,
     ResetPrefixCache,
     Resume,
     SetConfig,
     SetPrefixCaching,
 )
+from pagectl.engine.inspect import inspect_request
 from pagectl.engine.kv.events import KVEvent, KVEventRecorder
 from pagectl.engine.live_config import normalize_name
 from pagectl.engine.outputs import (
@@ -303,6 +305,8 @@ class EngineCore:
             return self.status()
         if isinstance(cmd, InspectBlock):
             return self.inspect_block(cmd.block_id)
+        if isinstance(cmd, InspectRequest):
+            return inspect_request(sched, cmd)
         raise CommandError("unknown_command", f"unknown command {type(cmd).__name__}")
 
     def engine_state(self) -> str:
@@ -360,6 +364,7 @@ class EngineCore:
         now = time.time()
         mono = time.monotonic()
         live = self._live_requests()
+        beams = sched.beam_groups
         tables = self._tables.encode(live)
         shared, empty_slots = _table_stats(
             pool.ref_bytes,
@@ -383,6 +388,8 @@ class EngineCore:
                 max(0.0, mono - r.arrival_time),
                 table,
                 r.admitted,
+                r.seq_id,
+                *(_beam_facts(beams, r) if beams else _NOT_A_BEAM),
             )
             for r, table, num_shared in zip(live, tables, shared)
         ]
@@ -492,6 +499,17 @@ def _table_stats(
     first = np.ones(len(last), dtype=bool)
     first[1:] = last[1:] != last[:-1]
     return shared, int(gap[first].sum())
+
+
+_NOT_A_BEAM = (0, 0.0)
+
+
+def _beam_facts(groups: dict[str, BeamGroup], r: Request) -> tuple[int, float]:
+    """(beam width, cumulative logprob) of a beam; (0, 0.0) for any other sequence."""
+    group = groups.get(r.request_id)
+    if group is None:
+        return _NOT_A_BEAM
+    return group.width, group.cum.get(r.seq_id, 0.0)
 
 
 def _block_state(ref_cnt: int, hashed: bool) -> str:

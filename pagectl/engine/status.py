@@ -67,6 +67,8 @@ def status_view(snap: TelemetrySnapshot) -> dict[str, Any]:
             {
                 "request_id": r.request_id,
                 "index": r.index,
+                "seq_id": r.seq_id,
+                "beam_width": r.beam_width,
                 "state": r.state,
                 "priority": r.priority,
                 "num_prompt_tokens": r.num_prompt_tokens,

@@ -51,6 +51,14 @@ class RequestRow(msgspec.Struct, gc=False):
     block_ids: bytes
     # Whether the scheduler has admitted the sequence once (its prefix was looked up).
     admitted: bool = True
+    # The engine's name for the sequence: ``request_id`` for sample 0, "id#i" for sample i,
+    # "id#b<k>" for a beam forked during a beam search ("" from an older daemon: readers
+    # fall back to request_id and index).
+    seq_id: str = ""
+    # A beam of a beam search: the search's width W (0: not a beam), and the beam's
+    # cumulative logprob so far. A search's beams share ``request_id`` (the group's id).
+    beam_width: int = 0
+    cum_logprob: float = 0.0
 
 
 class Counters(msgspec.Struct):

@@ -46,7 +46,9 @@ from pagectl.tui.history import History
 from pagectl.tui.palette import ConsoleCommands
 from pagectl.tui.prepare import Prepared, prepare
 from pagectl.tui.recording import RecordWriter
+from pagectl.tui.request_detail import Target
 from pagectl.tui.screens.picker import DaemonPicker
+from pagectl.tui.screens.request_detail import RequestDetailScreen
 from pagectl.tui.source import AdminSource, Frame, PlaybackControl
 from pagectl.tui.widgets.block_detail import BlockDetail, Inspection
 from pagectl.tui.widgets.block_map import BlockMapView
@@ -275,6 +277,9 @@ class PagectlTop(FleetActions, ConsoleActions, App[None]):
         self.block_map.set_states(prepared.states, prepared.cells)
         self.event_log.show_events(snap.events, snap.start_time)
         self.requests_table.show_rows(snap.requests)
+        for screen in self.screen_stack:
+            if isinstance(screen, RequestDetailScreen):
+                screen.show_rows(snap.requests)
         self._update_spotlight()
         self._refresh_panels()
         self.frames_applied += 1
@@ -422,6 +427,25 @@ class PagectlTop(FleetActions, ConsoleActions, App[None]):
             return  # a highlight queued while the app was closing: no screen left to update
         self._update_spotlight()
         self.refresh_bindings()
+
+    def on_data_table_row_selected(self, event: RequestsTable.RowSelected) -> None:
+        """Enter on a line of the requests table: that request's (or sequence's) detail."""
+        line = self.requests_table.lines_by_key.get(str(event.row_key.value))
+        if line is None:
+            return
+        target = Target(line.row.request_id, line.key if line.kind == "child" else "")
+        snap = self.snapshot
+        self.push_screen(
+            RequestDetailScreen(
+                target,
+                self.source,
+                self.detokenizer,
+                snap.requests if snap else [],
+                can_fetch=lambda: self.control_ready,
+                read_only_reason=self.source.read_only_reason,
+                clock=self.clock,
+            )
+        )
 
     def on_descendant_focus(self) -> None:
         self._update_spotlight()

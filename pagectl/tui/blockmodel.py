@@ -43,7 +43,10 @@ _REF_LUT[9:] = SHARED9
 
 
 def seq_id(row: RequestRow) -> str:
-    """The engine's name for one sample: ``id`` for index 0, ``id#i`` for the others."""
+    """The engine's name for one sequence: ``id`` for index 0, ``id#i`` for the other
+    samples, ``id#b<k>`` for a forked beam (an older daemon's rows name no beams)."""
+    if row.seq_id:
+        return row.seq_id
     return row.request_id if row.index == 0 else f"{row.request_id}#{row.index}"
 
 

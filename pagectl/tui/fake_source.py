@@ -19,14 +19,16 @@ from pagectl.engine.commands import (
     CommandError,
     GetStatus,
     InspectBlock,
+    InspectRequest,
     Pause,
     ResetPrefixCache,
     Resume,
     SetConfig,
     SetPrefixCaching,
 )
+from pagectl.engine.inspect import clip
 from pagectl.engine.telemetry import TelemetrySnapshot, decode_snapshot, encode_snapshot
-from pagectl.tui.blockmodel import owners_in_range
+from pagectl.tui.blockmodel import owners_in_range, seq_id
 from pagectl.tui.source import Frame
 
 
@@ -126,6 +128,8 @@ class FakeSource:
             return {"aborted": cmd.request_id}
         if isinstance(cmd, InspectBlock):
             return self._inspect(cmd.block_id)
+        if isinstance(cmd, InspectRequest):
+            return self._inspect_request(cmd)
         if isinstance(cmd, GetStatus):
             return msgspec.to_builtins(snap) if snap is not None else {}
         raise CommandError("unknown_command", f"unknown command {type(cmd).__name__}")
@@ -152,4 +156,43 @@ class FakeSource:
             "fill": fill,
             "token_ids": tokens,
             "text": " ".join(f"t{t}" for t in tokens) if tokens else None,
+        }
+
+    def _inspect_request(self, cmd: InspectRequest) -> dict:
+        """The engine's reply shape (engine/inspect.py) over made-up ids: prompt token i is
+        ``(i * 7) % 1000``, output token j of sample k is ``500 + (j * 3 + k) % 500``."""
+        snap = self.last
+        rows = [r for r in (snap.requests if snap else []) if r.request_id == cmd.request_id]
+        if not rows:
+            raise CommandError("not_found", f"no live request with id {cmd.request_id!r}")
+        total = len(rows)
+        if cmd.seq_id:
+            rows = [r for r in rows if seq_id(r) == cmd.seq_id]
+            if not rows:
+                raise CommandError("not_found", f"no live sequence {cmd.seq_id!r}")
+        limit = cmd.max_tokens
+        first = rows[0]
+        return {
+            "request_id": cmd.request_id,
+            "num_sequences": total,
+            "beam_width": first.beam_width,
+            "num_prompt_tokens": first.num_prompt_tokens,
+            "prompt": clip([(i * 7) % 1000 for i in range(first.num_prompt_tokens)], limit),
+            "sequences": [
+                {
+                    "seq_id": seq_id(r),
+                    "index": r.index,
+                    "state": r.state,
+                    "num_output_tokens": r.num_output_tokens,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_cached_tokens": r.num_cached_tokens,
+                    "num_blocks": r.num_blocks,
+                    "num_preemptions": r.num_preemptions,
+                    "cum_logprob": r.cum_logprob if r.beam_width else None,
+                    "output": clip(
+                        [500 + (j * 3 + k) % 500 for j in range(r.num_output_tokens)], limit
+                    ),
+                }
+                for k, r in enumerate(rows)
+            ],
         }

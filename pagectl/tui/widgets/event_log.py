@@ -14,6 +14,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog
 
 from pagectl.engine.telemetry import Event
@@ -76,6 +77,28 @@ class EventLog(RichLog, can_focus=False):
         # Everything kept, in order (daemon events, gaps, console lines).
         self.entries: deque[Event] = deque(maxlen=_KEPT)
         self.filter = "all"
+        # The newest events stay in view (False once the operator scrolls back with the
+        # wheel; True again at the bottom).
+        self.following = True
+
+    def on_resize(self, event: events.Resize) -> None:
+        """A new size (a layout change, a view toggled in the compact layout): keep the
+        newest events in view. RichLog scrolls to the end only when a line is written, so
+        without this the panel kept the scroll offset of its old height and showed one
+        line short of the newest event, depending on whether the size or the first lines
+        came first."""
+        super().on_resize(event)
+        if self.following:
+            self.scroll_end(animate=False, immediate=False, x_axis=False)
+
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        self.following = False
+
+    def on_mouse_scroll_down(self, event: events.MouseScrollDown) -> None:
+        self.call_after_refresh(self._follow_at_end)
+
+    def _follow_at_end(self) -> None:
+        self.following = self.is_vertical_scroll_end
 
     def show_events(self, events: Sequence[Event], start_time: float) -> None:
         if self._start_time is not None and start_time != self._start_time:

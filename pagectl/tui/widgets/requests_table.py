@@ -12,7 +12,7 @@ from textual.widgets import DataTable
 
 from pagectl.engine.telemetry import RequestRow
 from pagectl.tui import fmt
-from pagectl.tui.blockmodel import seq_id
+from pagectl.tui.request_groups import Line, lines
 
 STATE_STYLES = {"running": "#3fb950", "waiting": "#8b949e", "preempted": "bold #ff7b72"}
 _STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
@@ -37,7 +37,8 @@ def _cached(r: RequestRow) -> str:
 
 
 COLUMNS = (
-    Column("id", "request", lambda r: (r.request_id, r.index), seq_id, text=True),
+    # The id cell is the line's label (request_groups: a group, its members indented).
+    Column("id", "request", lambda r: (r.request_id, r.index), lambda r: r.request_id, text=True),
     Column("state", "state", lambda r: _STATE_ORDER.get(r.state, 9), lambda r: r.state, text=True),
     Column("priority", "prio", lambda r: r.priority, lambda r: str(r.priority)),
     Column(
@@ -61,8 +62,11 @@ COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 _BY_KEY = {c.key: c for c in COLUMNS}
 
 
-def _cell(col: Column, r: RequestRow, value: str) -> Text:
-    """The table cell showing ``value`` (``col.cell(r)``)."""
+def _cell(col: Column, r: RequestRow, value: str, kind: str = "seq") -> Text:
+    """The table cell showing ``value`` (``col.cell(r)``) on a line of ``kind``."""
+    if col.key == "id":
+        style = "bold" if kind == "group" else "#8b949e" if kind == "child" else ""
+        return Text(value, style=style, justify="left")
     if col.key == "state":
         return Text(value, style=STATE_STYLES.get(value, ""))
     if col.key == "preemptions" and r.num_preemptions:
@@ -75,17 +79,23 @@ def default_reverse(column: str | None) -> bool:
     return column not in (None, "id", "state")
 
 
-def sort_rows(rows: Sequence[RequestRow], column: str | None, reverse: bool) -> list[RequestRow]:
-    """Rows in the daemon's service order (``column`` None) or sorted by a column."""
-    if column is None:
-        return list(reversed(rows)) if reverse else list(rows)
-    return sorted(rows, key=_BY_KEY[column].sort, reverse=reverse)
+def sort_lines(rows: Sequence[RequestRow], column: str | None, reverse: bool) -> list[Line]:
+    """The table's lines in the daemon's service order (``column`` None) or sorted by a
+    column; a request's sequences stay together under their group line."""
+    return lines(rows, None if column is None else _BY_KEY[column].sort, reverse)
+
+
+def _texts(line: Line) -> list[str]:
+    return [line.label if col.key == "id" else col.cell(line.row) for col in COLUMNS]
 
 
 class RequestsTable(DataTable):
-    """A ``DataTable`` of ``RequestRow``s keyed by sequence id; the cursor follows its row."""
+    """A ``DataTable`` of request lines (``request_groups.Line``: a sequence, or a group and
+    its members) keyed by seq id or group key; the cursor follows its line. Enter on a line
+    posts ``RowSelected`` (the app opens the request's detail view)."""
 
     BINDINGS = [
+        Binding("enter", "select_cursor", "Detail", id="pagectl.requests.detail"),
         Binding("s", "cycle_sort", "Sort", id="pagectl.requests.sort"),
         Binding("S", "reverse_sort", "Reverse", show=False, id="pagectl.requests.reverse"),
     ]
@@ -96,6 +106,7 @@ class RequestsTable(DataTable):
         self.sort_column: str | None = None
         self.sort_reverse = False
         self.rows_by_id: dict[str, RequestRow] = {}
+        self.lines_by_key: dict[str, Line] = {}
         # The texts of the cells shown, per row key, in COLUMNS order.
         self._texts: dict[str, list[str]] = {}
         self._order: list[str] = []
@@ -107,36 +118,46 @@ class RequestsTable(DataTable):
             self.add_column(col.label, key=col.key, width=9 if col.key == "state" else None)
 
     @property
-    def selected(self) -> RequestRow | None:
-        """The row under the cursor."""
+    def selected_line(self) -> Line | None:
+        """The line under the cursor."""
         if not self._order or not 0 <= self.cursor_row < len(self._order):
             return None
-        return self.rows_by_id.get(self._order[self.cursor_row])
+        return self.lines_by_key.get(self._order[self.cursor_row])
+
+    @property
+    def selected(self) -> RequestRow | None:
+        """The row under the cursor (a group's aggregate row on a group line)."""
+        line = self.selected_line
+        return line.row if line is not None else None
 
     def show_rows(self, rows: Sequence[RequestRow]) -> None:
         self._raw = list(rows)
-        ordered = sort_rows(rows, self.sort_column, self.sort_reverse)
-        keys = [seq_id(r) for r in ordered]
-        self.rows_by_id = dict(zip(keys, ordered, strict=True))
+        ordered = sort_lines(rows, self.sort_column, self.sort_reverse)
+        keys = [line.key for line in ordered]
+        self.lines_by_key = dict(zip(keys, ordered, strict=True))
+        self.rows_by_id = {key: line.row for key, line in self.lines_by_key.items()}
         # Each cell is formatted once per snapshot and compared with the text shown.
         shown = self._texts
-        texts = {key: [col.cell(r) for col in COLUMNS] for key, r in self.rows_by_id.items()}
+        texts = {key: _texts(line) for key, line in self.lines_by_key.items()}
         self._texts = texts
         if keys == self._order:
-            for key, r in zip(keys, ordered, strict=True):
+            for key, line in zip(keys, ordered, strict=True):
                 before = shown.get(key)
                 for i, (col, text) in enumerate(zip(COLUMNS, texts[key], strict=True)):
                     if before is None or before[i] != text:
-                        self.update_cell(key, col.key, _cell(col, r, text))
+                        self.update_cell(key, col.key, _cell(col, line.row, text, line.kind))
         else:
-            current = self.selected
+            current = self.selected_line
             self.clear()
-            for key, r in zip(keys, ordered, strict=True):
-                cells = (_cell(col, r, text) for col, text in zip(COLUMNS, texts[key], strict=True))
+            for key, line in zip(keys, ordered, strict=True):
+                cells = (
+                    _cell(col, line.row, text, line.kind)
+                    for col, text in zip(COLUMNS, texts[key], strict=True)
+                )
                 self.add_row(*cells, key=key)
             self._order = keys
-            if current is not None and seq_id(current) in self.rows_by_id:
-                self.move_cursor(row=keys.index(seq_id(current)), animate=False)
+            if current is not None and current.key in self.lines_by_key:
+                self.move_cursor(row=keys.index(current.key), animate=False)
         self._update_title()
 
     def _update_title(self) -> None:
