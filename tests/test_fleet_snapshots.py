@@ -20,6 +20,12 @@ def test_fleet_of_three_with_the_skew_verdict(snap_compare):
 
     async def ready(pilot):
         await settle_fleet(pilot, app, fleet, h)
+        # Away and back: the sparklines restart from the minute the fleet kept of engine 0,
+        # whatever number of frames the app was handed while they streamed in.
+        await pilot.press("n")
+        await pilot.press("N")
+        await wait_until(pilot, lambda: fleet.selected == 0 and app.snapshot is not None)
+        await pilot.pause()
         assert app.fleet_table.verdict is not None
 
     assert snap_compare(app, terminal_size=(120, 40), run_before=ready)

@@ -111,7 +111,10 @@ class FleetActions(_Base):
         if index % len(fleet.members) == fleet.selected:
             return
         fleet.select(index)
+        # The sparklines start from the minute the fleet kept of this member, not empty.
         self.history = History()
+        for snap in fleet.member.history:
+            self.history.update(snap)
         self.verdict_history.clear()
         self.verdicts = []
         self.verdict_bar.show([])
