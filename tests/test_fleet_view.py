@@ -19,6 +19,7 @@ from pagectl.engine.commands import SetPrefixCaching
 from pagectl.tui.app import PagectlTop
 from pagectl.tui.fake_source import FakeSource
 from pagectl.tui.fleet_source import FleetSource, Member, MemberResolver
+from pagectl.tui.history import History
 from pagectl.tui.widgets.header import ConsoleHeader
 
 SIZE = (160, 48)
@@ -109,8 +110,16 @@ async def test_two_engines_a_row_each_and_switching_with_keys():
         assert "[2/2] engine 1" in text_of(app.query_one(ConsoleHeader))
         assert text_of(app.fleet_table).splitlines()[2].startswith("▶2  engine 1")
         assert any("── now showing engine 1 ──" in x for x in app.event_log.lines_text())
-        # The panels' history is engine 1's alone: the sparklines restarted with it.
-        assert len(app.history.samples) <= 1
+        # The panels' history is engine 1's alone: the sparklines restarted from the minute
+        # the fleet kept of it (engine 0's hot-prefix rates are gone).
+        kept = History()
+        for snap in fleet.members[1].history:
+            kept.update(snap)
+        assert len(kept.samples) > 1
+        assert [x.time for x in app.history.samples] == [x.time for x in kept.samples]
+        assert [x.generation_tps for x in app.history.samples] == [
+            x.generation_tps for x in kept.samples
+        ]
 
         # A command goes to the member shown, and to no other.
         await pilot.press("p")
