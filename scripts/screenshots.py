@@ -134,15 +134,18 @@ async def shoot(run_dir: Path, daemon: DaemonProcess, out: Path, size, warmup: f
 
         # Its detail: facts, and the prompt and each sample's output as text.
         if key is not None and table.selected_line is not None:
+            table.focus()
+            await pilot.pause()
             await pilot.press("enter")
             await wait_until(
                 pilot,
                 lambda: (
-                    isinstance(app.screen, RequestDetailScreen) and app.screen.tokens is not None
+                    isinstance(app.screen, RequestDetailScreen) and app.screen.status != "pending"
                 ),
-                20,
+                60,
                 "the request detail's tokens",
             )
+            print(f"request detail: {app.screen.status}")
             await pilot.pause(0.3)
             save("request-detail")
             await pilot.press("escape")
