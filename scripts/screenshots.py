@@ -124,7 +124,9 @@ async def shoot(run_dir: Path, daemon: DaemonProcess, out: Path, size, warmup: f
         # A sampled request (n=3): its group line highlighted lights all its samples' blocks.
         await pilot.press("tab")
         rows = app.snapshot.requests
-        target = next((r for r in rows if r.index > 0 and len(block_ids(r))), None)
+        # The youngest one, so that it is still running when its detail asks for its tokens.
+        sampled = [r for r in rows if r.index > 0 and len(block_ids(r))]
+        target = min(sampled, key=lambda r: r.num_output_tokens, default=None)
         table = app.requests_table
         key = f"{GROUP_PREFIX}{target.request_id}" if target is not None else None
         if key is not None and key in table.lines_by_key:
