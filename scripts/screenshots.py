@@ -30,6 +30,8 @@ from pagectl.tui.app import PagectlTop  # noqa: E402
 from pagectl.tui.blockmodel import SHARED2, block_ids  # noqa: E402
 from pagectl.tui.daemon_choice import SelectingResolver  # noqa: E402
 from pagectl.tui.detokenize import Detokenizer  # noqa: E402
+from pagectl.tui.request_groups import GROUP_PREFIX  # noqa: E402
+from pagectl.tui.screens.request_detail import RequestDetailScreen  # noqa: E402
 from pagectl.tui.widgets.block_map import BlockMapView  # noqa: E402
 from pagectl.tui.zmq_source import ZmqSource  # noqa: E402
 
@@ -119,18 +121,37 @@ async def shoot(run_dir: Path, daemon: DaemonProcess, out: Path, size, warmup: f
             save("block-inspect")
             app.query_one(BlockMapView).select_cell(None)
 
-        # A sampled request (n=3) highlighted: its blocks light up on the map.
+        # A sampled request (n=3): its group line highlighted lights all its samples' blocks.
         await pilot.press("tab")
         rows = app.snapshot.requests
-        target = next((r for r in rows if r.index > 0 and len(block_ids(r))), None)
-        table = app.query_one("#requests")
-        if target is not None:
-            keys = [str(k.value) for k in table.rows]
-            name = f"{target.request_id}#{target.index}"
-            if name in keys:
-                table.move_cursor(row=keys.index(name), animate=False)
+        # The youngest one, so that it is still running when its detail asks for its tokens.
+        sampled = [r for r in rows if r.index > 0 and len(block_ids(r))]
+        target = min(sampled, key=lambda r: r.num_output_tokens, default=None)
+        table = app.requests_table
+        key = f"{GROUP_PREFIX}{target.request_id}" if target is not None else None
+        if key is not None and key in table.lines_by_key:
+            table.move_cursor(row=list(table.lines_by_key).index(key), animate=False)
         await pilot.pause(0.5)
         save("request-highlight")
+
+        # Its detail: facts, and the prompt and each sample's output as text.
+        if key is not None and table.selected_line is not None:
+            table.focus()
+            await pilot.pause()
+            await pilot.press("enter")
+            await wait_until(
+                pilot,
+                lambda: (
+                    isinstance(app.screen, RequestDetailScreen) and app.screen.status != "pending"
+                ),
+                60,
+                "the request detail's tokens",
+            )
+            print(f"request detail: {app.screen.status}")
+            await pilot.pause(0.3)
+            save("request-detail")
+            await pilot.press("escape")
+            await pilot.pause(0.3)
 
         # The daemon goes away: the last picture stays, marked stale.
         await pilot.press("tab")
@@ -160,7 +181,7 @@ def main() -> int:
             "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-batched-tokens", "256",
             "--max-num-seqs", "32", "--max-model-len", "512",
         ]  # fmt: skip
-        daemon = DaemonProcess(tmp_path / "run", daemon_args).start()
+        daemon = DaemonProcess(tmp_path / "run", daemon_args).start(timeout=600)
         load = MixedLoad(daemon.base_url, workers=12, max_tokens=200).start()
         try:
             saved = asyncio.run(shoot_compact(tmp_path / "run", out, args.warmup))
