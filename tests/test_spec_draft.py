@@ -69,8 +69,8 @@ CONFIGS = {
     # The longest request needs 19 blocks of 4 (plus proposals); 21 blocks preempt.
     "preempt_bs4": dict(block_size=4, num_kv_blocks=21, max_num_batched_tokens=64),
 }
+# (Block size 16 with prefix caching and a budget without chunking: the ctl-status test.)
 CASES = [
-    ("qwen3", "default"),
     ("qwen3", "no_prefix_cache"),
     ("qwen3", "chunk13_bs8_k8"),
     ("qwen2", "chunk7_bs4"),
@@ -237,6 +237,9 @@ def test_ctl_status_shows_the_draft_model(models):
         engine_greedy(built.core, PROMPTS[-2:], 8)
         text = format_status(built.core.status())
         assert f"spec      draft_model ({draft}) num_speculative_tokens={K}" in text
+        # A block costs its bytes in both pools (the draft: 1 layer of 2 KV heads x 32).
+        target = 2 * 2 * 16 * 2 * 32 * 4
+        assert built.core.model_info.kv_bytes_per_block == target + target // 2
     finally:
         built.shutdown()
 

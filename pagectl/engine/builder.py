@@ -127,7 +127,7 @@ class RankBuild:
 
     runner: ModelRunner
     dtype: torch.dtype
-    # KV bytes per block on this rank (its KV heads only).
+    # KV bytes per block on this rank (its KV heads only; with a draft model, both pools).
     kv_bytes_per_block: int
     num_blocks: int
     max_num_batched_tokens: int
@@ -373,7 +373,7 @@ def build_rank(
         )
         runner.drafter = DraftModelProposer(draft_runner, mcfg.vocab_size, args.seed)
     sync.barrier("ready")
-    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len, profile)
+    return RankBuild(runner, dtype, pool_per_block, num_blocks, max_tokens, max_model_len, profile)
 
 
 def build_worker_runner(

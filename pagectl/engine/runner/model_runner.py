@@ -12,6 +12,11 @@ ranks 1..N-1 only run ``run_arrays`` on what they receive. Everything between th
 and the logits gather runs inside ``tp_driver.collective()``, so a fault there is reported as
 the rank that caused it and the group is not used again.
 
+With speculative method "draft_model", rank 0's runner holds the draft model's proposer
+(``drafter``, ``spec_decode.draft_model``): it runs before the target's forward (the step's
+rows and the proposals, on the draft's own KV pool) and after the sampling; the sampling of
+a draft step is its rejection sampling.
+
 Owned by the engine loop thread. ``timings`` accumulates wall time per phase (exact on CPU;
 on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
 """

@@ -92,13 +92,15 @@ class DraftModelProposer:
         # numbers the proposals were drawn with.
         self.sampler = Sampler(vocab_size, device=runner.device, seed=seed + 1, stream=1)
         # This step's draft distributions: scheduler index -> [k, vocab_size] (rows of the
-        # proposals in order). Set by ``propose``, read by ``verify`` of the same step.
+        # proposals in order); empty when every speculating sequence is greedy. Set by
+        # ``propose``, read by ``verify`` of the same step.
         self._probs: dict[int, torch.Tensor] = {}
 
     def release(self) -> None:
         self.runner.release()
 
     # -- the step ---------------------------------------------------------------------------
+    # ``propose``, then the target's forward, ``verify`` (its sampling), then ``finish``.
 
     def propose(self, so: SchedulerOutput) -> SchedulerOutput:
         """Run passes 1..K for ``so`` (its proposals are placeholders, ``slots.py``) and
@@ -123,6 +125,8 @@ class DraftModelProposer:
             return so
         drafts: dict[int, list[int]] = {i: [] for i, s in enumerate(spec) if s}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafts}
+        # Greedy sequences propose the argmax (q one-hot: no distribution to keep).
+        greedy = all(so.seqs[i].sampling_params.greedy for i in drafts)
         kmax = max(len(spec[i]) for i in drafts)
         for j in range(kmax):
             if j:
@@ -139,12 +143,17 @@ class DraftModelProposer:
                 picked = [active[t] for t in order]
             assert logits is not None
             rows: list[Any] = [SpecRow(so.seqs[i], list(drafts[i])) for i in picked]
-            q = self.sampler.sampling_probs(self._vocab(logits), rows)
-            tokens = self.sampler.draw_from(q, rows).tolist()
+            if greedy:
+                tokens = self.sampler(self._vocab(logits), rows).token_ids
+            else:
+                q = self.sampler.sampling_probs(self._vocab(logits), rows)
+                tokens = self.sampler.draw_from(q, rows).tolist()
+                for t, i in enumerate(picked):
+                    probs[i].append(q[t])
             for t, i in enumerate(picked):
                 drafts[i].append(tokens[t])
-                probs[i].append(q[t])
-        self._probs = {i: torch.stack(p) for i, p in probs.items()}
+        if not greedy:
+            self._probs = {i: torch.stack(p) for i, p in probs.items()}
         return dataclasses.replace(
             so, spec_token_ids=[drafts.get(i, []) for i in range(len(so.seqs))]
         )
@@ -159,7 +168,10 @@ class DraftModelProposer:
     ) -> SamplerResult:
         """The target's tokens for the sampling rows of a speculative step (``rows`` as
         ``ModelRunner._sample_spec`` lays them out), by rejection sampling against the
-        draft distributions of this step's ``propose``."""
+        draft distributions of this step's ``propose``. When every proposal was greedy
+        (q one-hot), that rule is: keep a proposal while it is the target's own sample."""
+        if not self._probs:
+            return sampler(logits, rows)
         draft_rows: list[int] = []
         draft_tokens: list[int] = []
         draft_probs: list[torch.Tensor] = []
