@@ -275,3 +275,39 @@ def test_sampled_distribution_is_the_targets(models):
 @pytest.mark.extended
 def test_sampled_distribution_is_the_targets_many_samples(models):
     _check_distribution(models, 20000)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Explicit p and q over 4 tokens: proposals drawn from q, then verified, give p; a
+    proposal p cannot produce is never emitted; rows without a proposal draw from p."""
+    from pagectl.engine.request import Request
+    from pagectl.engine.runner.sampler import Sampler
+    from pagectl.engine.spec_decode.rejection import rejection_sample
+
+    n = 20000
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.2])
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    req = Request("a", [1], SamplingParams(temperature=1.0), max_model_len=64)
+    sampler = Sampler(4, seed=1)
+    logits = p.log().expand(2 * n, 4).contiguous()
+    rows = [req] * (2 * n)
+    # Even rows check a proposal, odd rows have none.
+    result = rejection_sample(
+        sampler, logits, rows, list(range(0, 2 * n, 2)), drafts, q.expand(n, 4).contiguous()
+    )
+    checked = torch.tensor(result.token_ids[0::2])
+    free = torch.tensor(result.token_ids[1::2])
+    for got in (checked, free):
+        counts = torch.bincount(got, minlength=4).double()
+        assert counts[3] == 0
+        expected = n * p[:3].double()
+        stat = float(((counts[:3] - expected) ** 2 / expected).sum())
+        assert stat < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+    # Accepted where the proposal was kept: at most min(1, p/q) of each proposal.
+    kept = sum(1 for d, t in zip(drafts, result.token_ids[0::2], strict=True) if d == t)
+    assert abs(kept / n - float(torch.minimum(p, q).sum())) < 0.02
+    # The test can fail: emitting the proposals as they are gives q, far from p.
+    as_drafted = torch.bincount(torch.tensor(drafts), minlength=4).double()
+    assert float(((as_drafted[:3] - expected) ** 2 / expected).sum()) > 1000
