@@ -1,4 +1,4 @@
-"""Speculative decoding on the built-in model: n-gram proposals at K = 2, 4, 8 against none.
+"""Speculative decoding on the built-in model: n-gram and draft-model proposals against none.
 
     PYTHONPATH=$PWD python3 benchmarks/speculative.py                 # defaults below
     PYTHONPATH=$PWD python3 benchmarks/speculative.py --quick         # seconds, smaller
@@ -18,6 +18,12 @@ shared; prefix caching is off so runs do not feed each other. A last run repeats
 16-stream random case with ``disable_by_batch_size`` (speculation off in steps running at
 least that many sequences), the engine's answer to high load.
 
+The draft-model method (``--methods``) runs the same workloads and stream counts at each K
+with a draft cut from the built-in model: its first ``--draft-layers`` decoder layers, its
+embedding, norm and LM head, its tokenizer (``scripts/make_draft_model.py``; written to a
+temporary directory unless ``--draft DIR`` names one). Its ratios are against the n-gram
+engine's run without speculation (an engine without a draft model).
+
 Every speculative run's output is checked token for token against the run without
 speculation; a mismatch fails the benchmark.
 """
@@ -30,6 +36,7 @@ import os
 import random
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,6 +118,9 @@ def main() -> int:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     ap.add_argument("--workloads", default="code,random")
+    ap.add_argument("--methods", default="ngram,draft_model")
+    ap.add_argument("--draft", default=None, help="draft model directory (default: built)")
+    ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args()
@@ -139,15 +149,17 @@ def main() -> int:
         f"{'workload':8} {'streams':>7} {'K':>3} {'tok/s':>8} {'x none':>7} "
         f"{'accept':>7} {'mean len':>8}"
     )
+    methods = a.methods.split(",")
+    bases: dict[tuple[str, int], dict] = {}
     for name, prompts in workloads.items():
         if name not in a.workloads.split(","):
             continue
         for streams, count in ((1, a.single), (a.streams, a.streams)):
             base = None
-            for k in [0, *ks]:
+            for k in [0, *ks] if "ngram" in methods else [0]:
                 r = run(llm, prompts[:count], streams, k, a.max_tokens, a.repeats)
                 if base is None:
-                    base = r
+                    base = bases[name, streams] = r
                 elif r["outputs"] != base["outputs"]:
                     ok = False
                     print(f"MISMATCH: {name} streams={streams} K={k} differs from K=0")
@@ -162,10 +174,62 @@ def main() -> int:
                     dict(
                         {k2: v for k2, v in r.items() if k2 != "outputs"},
                         workload=name,
+                        method="ngram" if k else "none",
                         ratio=round(ratio, 3),
                     )
                 )
     llm.shutdown()
+    if "draft_model" in methods:
+        ok = _draft_model_runs(a, ks, common, workloads, bases, report) and ok
+    if "ngram" in methods:
+        ok = _disable_by_batch_size_runs(a, ks, common, spec, workloads, report) and ok
+    print(f"load average at end: {os.getloadavg()}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    print("outputs identical to no speculation:", ok)
+    return 0 if ok else 1
+
+
+def _draft_model_runs(a, ks, common, workloads, bases, report) -> bool:
+    """Each workload and stream count at each K with the draft model, against ``bases``
+    (the same prompts on an engine without a draft)."""
+    from pagectl.engine.builder import resolve_model
+    from pagectl.testing.truncated_draft import write_truncated_draft
+
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="pagectl-draft-") as tmp:
+        draft = a.draft or str(write_truncated_draft(resolve_model(None), tmp, a.draft_layers))
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": max(ks)}
+        llm = LLM(speculative_config=spec, **common)
+        print(f"draft model: {draft} ({a.draft_layers} layers unless --draft)", flush=True)
+        for (name, streams), base in bases.items():
+            count = a.single if streams == 1 else a.streams
+            prompts = workloads[name][:count]
+            for k in ks:
+                r = run(llm, prompts, streams, k, a.max_tokens, a.repeats)
+                if r["outputs"] != base["outputs"]:
+                    ok = False
+                    print(f"MISMATCH: draft {name} streams={streams} K={k} differs from none")
+                ratio = r["tok_s"] / base["tok_s"]
+                print(
+                    f"{name:8} {streams:7} {k:3} {r['tok_s']:8.1f} {ratio:7.2f} "
+                    f"{r['acceptance_rate']:>7} {r['mean_accepted_length']:>8}   (draft model)",
+                    flush=True,
+                )
+                report["runs"].append(
+                    dict(
+                        {k2: v for k2, v in r.items() if k2 != "outputs"},
+                        workload=name,
+                        method="draft_model",
+                        ratio=round(ratio, 3),
+                    )
+                )
+        llm.shutdown()
+    return ok
+
+
+def _disable_by_batch_size_runs(a, ks, common, spec, workloads, report) -> bool:
+    ok = True
     # High load: the same 16-stream random run with speculation off in big steps.
     spec_dbs = dict(spec, disable_by_batch_size=a.disable_by_batch_size)
     llm = LLM(speculative_config=spec_dbs, **common)
@@ -189,12 +253,7 @@ def main() -> int:
             )
         )
     llm.shutdown()
-    print("draft_model: not measured (the method is not implemented yet)")
-    print(f"load average at end: {os.getloadavg()}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    print("outputs identical to no speculation:", ok)
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -153,7 +153,9 @@ def format_status(s: dict) -> str:
         accepted = c.get("spec_decode_num_accepted_tokens", 0)
         lines.insert(
             2,
-            f"spec      {cfg['speculative_method']} num_speculative_tokens="
+            f"spec      {cfg['speculative_method']}"
+            + (f" ({cfg['speculative_model']})" if cfg.get("speculative_model") else "")
+            + " num_speculative_tokens="
             f"{cfg.get('num_speculative_tokens')}  acceptance "
             f"{(accepted / proposed if proposed else 0):.1%}, mean accepted length "
             f"{(1 + accepted / drafts if drafts else 0):.2f}",

@@ -273,13 +273,15 @@ class EngineArgs:
         metavar="JSON",
     )
     # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (or its JSON text); None: off. Kept as
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model":
+    # DRAFT, "num_speculative_tokens": K} (or its JSON text); None: off. Kept as
     # given (a plain dict travels to tensor-parallel workers); checked here, parsed by the
     # builder with SpeculativeConfig.parse.
     speculative_config: dict | str | None = option(
         None,
         'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
+        '"model": DRAFT, "num_speculative_tokens": K}',
         metavar="JSON",
     )
 

@@ -44,6 +44,13 @@ from pagectl.engine.runner.kv_cache import cuda_kv_bytes, default_cpu_kv_bytes, 
 from pagectl.engine.runner.model_runner import ModelRunner
 from pagectl.engine.scheduler import Scheduler
 from pagectl.engine.spec_decode.config import SpeculativeConfig
+from pagectl.engine.spec_decode.draft_build import (
+    check_draft_context,
+    check_same_tokenizer,
+    load_draft,
+    resolve_draft,
+)
+from pagectl.engine.spec_decode.draft_model import DraftModelProposer
 from pagectl.engine.telemetry import ModelInfo
 from pagectl.engine.tokenizer import load_tokenizer
 
@@ -120,7 +127,7 @@ class RankBuild:
 
     runner: ModelRunner
     dtype: torch.dtype
-    # KV bytes per block on this rank (its KV heads only).
+    # KV bytes per block on this rank (its KV heads only; with a draft model, both pools).
     kv_bytes_per_block: int
     num_blocks: int
     max_num_batched_tokens: int
@@ -140,18 +147,20 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
     path = resolve_model(args.model)
     mcfg = ModelConfig.from_dir(path)
     spec = SpeculativeConfig.parse(args.speculative_config)
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError(
-            "speculative_config: method 'draft_model' is not supported yet; use 'ngram'"
-        )
     device = resolve_device(args.device)
     check_supported(mcfg, args.quantization, device.type)
+    tokenizer = load_tokenizer(args.tokenizer or path)
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        # Checked before any process starts or weight loads; loaded on rank 0 only.
+        draft = resolve_draft(spec, device.type)
+        check_same_tokenizer(tokenizer, mcfg, *draft)
     tp_size = args.tensor_parallel_size
     previous_threads = None
     if tp_size == 1:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        rank = build_rank(args, path, mcfg, device)
+        rank = build_rank(args, path, mcfg, device, draft=draft)
         workers, owned = None, False
     else:
         check_tp_split(
@@ -188,6 +197,7 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
                 tp_driver=workers,
                 local_size=workers.rdzv.local_size,
                 enforce_eager=enforce_eager,
+                draft=draft,
             )
         except BaseException as e:
             # A worker that failed shows on rank 0 as a broken connection: name the worker.
@@ -217,7 +227,6 @@ def build_engine(args: EngineArgs, tp_workers: TPWorkers | None = None) -> Built
         ),
         speculative_config=spec,
     )
-    tokenizer = load_tokenizer(args.tokenizer or path)
     eos = mcfg.eos_token_ids
     if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = (int(tokenizer.eos_token_id),)
@@ -285,13 +294,20 @@ def build_rank(
     tp_driver: Any = None,
     local_size: int = 1,
     enforce_eager: bool | None = None,
+    draft: tuple[str, ModelConfig] | None = None,
 ) -> RankBuild:
     """Load this rank's shard and build its runner; every rank of a group runs this, meeting
-    at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready)."""
+    at the ``sync`` barriers (weights loaded, KV pool size agreed, runner ready).
+
+    ``draft`` (rank 0 only): the draft model of speculative method "draft_model", loaded
+    whole here; its KV pool has the same blocks as the target's, so a block costs both."""
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, mcfg, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     model = load_model(path, mcfg, dtype, device, tp, args.quantization)
+    drafted = None
+    if draft is not None:
+        drafted = load_draft(*draft, dtype, kv_dtype, device, args.block_size)
     sync.barrier("loaded")
 
     max_tokens = args.token_budget(device.type)
@@ -301,9 +317,12 @@ def build_rank(
     )
     # Every rank holds the same block ids: the pool is as large as the smallest rank allows.
     profile: dict[str, float] = {}
+    pool_per_block = per_block + (drafted.kv_bytes_per_block if drafted is not None else 0)
     num_blocks = sync.agree_min(
         "num_kv_blocks",
-        _num_kv_blocks(args, model, per_block, max_tokens, device, local_size, kv_dtype, profile),
+        _num_kv_blocks(
+            args, model, pool_per_block, max_tokens, device, local_size, kv_dtype, profile
+        ),
     )
     capacity = num_blocks * args.block_size
     if args.max_model_len and args.max_model_len > mcfg.max_position_embeddings:
@@ -336,8 +355,25 @@ def build_rank(
         tp_rank=tp.rank,
         tp_driver=tp_driver,
     )
+    if drafted is not None:
+        check_draft_context(drafted, max_model_len)
+        draft_runner = ModelRunner(
+            drafted.model,
+            drafted.config,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            attention_backend=args.attention_backend,
+            enforce_eager=True,
+            seed=args.seed,
+        )
+        runner.drafter = DraftModelProposer(draft_runner, mcfg.vocab_size, args.seed)
     sync.barrier("ready")
-    return RankBuild(runner, dtype, per_block, num_blocks, max_tokens, max_model_len, profile)
+    return RankBuild(runner, dtype, pool_per_block, num_blocks, max_tokens, max_model_len, profile)
 
 
 def build_worker_runner(

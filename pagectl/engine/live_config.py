@@ -198,6 +198,8 @@ class LiveConfigMixin:
             max_model_len=self.config.max_model_len,
             speculative_method=self.spec_config.method if self.spec_config else "none",
         )
+        if self.spec_config is not None and self.spec_config.model:
+            out["speculative_model"] = self.spec_config.model
         for setting in LIVE_SETTINGS.values():
             high = setting.limit(self.startup_value(setting) or 0)
             if setting.limit_key and high is not None:

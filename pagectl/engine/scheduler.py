@@ -28,6 +28,7 @@ from pagectl.engine.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from pagectl.engine.request import Request, RequestStatus
 from pagectl.engine.spec_decode.config import SpeculativeConfig
 from pagectl.engine.spec_decode.ngram import NgramProposer
+from pagectl.engine.spec_decode.slots import DraftSlots
 from pagectl.engine.telemetry import Counters, Event, StepStat
 from pagectl.engine.waiting_queue import WaitingQueue
 
@@ -53,13 +54,17 @@ class Scheduler(LiveConfigMixin):
         self.num_spec_tokens = (
             speculative_config.num_speculative_tokens if speculative_config else 0
         )
-        self.proposer = (
-            NgramProposer(
-                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+        # The draft model's proposals are made by the runner: here it only reserves their
+        # slots (``spec_decode.slots``).
+        self.proposer: NgramProposer | DraftSlots | None = None
+        if speculative_config is not None:
+            self.proposer = (
+                NgramProposer(
+                    speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+                )
+                if speculative_config.method == "ngram"
+                else DraftSlots()
             )
-            if speculative_config is not None and speculative_config.method == "ngram"
-            else None
-        )
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -328,6 +333,10 @@ class Scheduler(LiveConfigMixin):
         if k <= 0:
             return []
         assert self.proposer is not None
+        if req.grammar is not None and isinstance(self.proposer, DraftSlots):
+            # A draft model's proposals are drawn in the runner, after this check could
+            # cut them at the grammar: constrained sequences decode without speculation there.
+            return []
         drafts = self.proposer.propose(req.all_token_ids, k)
         if drafts and req.grammar is not None:
             # Constrained: cut at the first proposal the grammar rejects.

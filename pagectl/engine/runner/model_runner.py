@@ -12,6 +12,11 @@ ranks 1..N-1 only run ``run_arrays`` on what they receive. Everything between th
 and the logits gather runs inside ``tp_driver.collective()``, so a fault there is reported as
 the rank that caused it and the group is not used again.
 
+With speculative method "draft_model", rank 0's runner holds the draft model's proposer
+(``drafter``, ``spec_decode.draft_model``): it runs before the target's forward (the step's
+rows and the proposals, on the draft's own KV pool) and after the sampling; the sampling of
+a draft step is its rejection sampling.
+
 Owned by the engine loop thread. ``timings`` accumulates wall time per phase (exact on CPU;
 on CUDA set ``sync_timings`` to make it exact at the price of a sync per phase).
 """
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +40,9 @@ from pagectl.engine.runner.logits_ops import compute_prompt_logprobs
 from pagectl.engine.runner.sampler import Sampler
 from pagectl.engine.spec_decode.verify import SpecRow, num_accepted
 
+if TYPE_CHECKING:
+    from pagectl.engine.spec_decode.draft_model import DraftModelProposer
+
 log = logging.getLogger(__name__)
 
 
@@ -46,10 +54,12 @@ class RunnerTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    # The draft model's passes (speculative method "draft_model"), before and after.
+    draft_s: float = 0.0
 
     def reset(self) -> None:
         self.steps = 0
-        self.prepare_s = self.forward_s = self.sample_s = 0.0
+        self.prepare_s = self.forward_s = self.sample_s = self.draft_s = 0.0
 
 
 class ModelRunner:
@@ -125,6 +135,9 @@ class ModelRunner:
             device,
             dynamic_rope_len=rotary.max_position_embeddings if rotary.is_dynamic else None,
         )
+        # Speculative method "draft_model" (rank 0 only): the draft model's proposer
+        # (``spec_decode.draft_model``), attached by the builder.
+        self.drafter: DraftModelProposer | None = None
         # Only rank 0 samples.
         self.sampler = (
             Sampler(model_config.vocab_size, device=device, seed=seed) if tp_rank == 0 else None
@@ -152,6 +165,12 @@ class ModelRunner:
             sampler.forget(so.finished_seq_ids)
             for seq_id in so.finished_seq_ids:
                 self._prompt_scored.pop(seq_id, None)
+        drafter = self.drafter
+        t_draft = 0.0
+        if drafter is not None:
+            t = time.perf_counter()
+            so = drafter.propose(so)
+            t_draft = time.perf_counter() - t
         t0 = time.perf_counter()
         arrays = sampling = None
         if so.seqs:
@@ -169,7 +188,11 @@ class ModelRunner:
         t2 = self._tick()
         out = self._sample(so, batch, logits, sampler)
         t3 = self._tick()
+        if drafter is not None:
+            drafter.finish(so, out)
+            t_draft += self._tick() - t3
         tm = self.timings
+        tm.draft_s += t_draft
         tm.steps += 1
         tm.prepare_s += t1 - t0
         tm.forward_s += t2 - t1
@@ -209,6 +232,9 @@ class ModelRunner:
             layer.kv_cache = None
         self.kv.release()
         self.cuda_graphs = None
+        if self.drafter is not None:
+            self.drafter.release()
+            self.drafter = None
 
     def _tick(self) -> float:
         if self.sync_timings and self.device.type == "cuda":
@@ -275,7 +301,11 @@ class ModelRunner:
             if c > 1:
                 drafts = spec[i]
                 rows.extend(SpecRow(req, drafts[:j]) for j in range(1, c))
-        result = sampler(logits[plan.num_prompt_logprob_rows :], rows)
+        sample_logits = logits[plan.num_prompt_logprob_rows :]
+        if self.drafter is not None:
+            result = self.drafter.verify(sampler, sample_logits, rows, plan, so)
+        else:
+            result = sampler(sample_logits, rows)
         toks, lps = result.token_ids, result.logprobs
         sampled = [-1] * len(seqs)
         logprobs: list[TokenLogprobs | None] | None = None if lps is None else [None] * len(seqs)

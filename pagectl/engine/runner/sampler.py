@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from pagectl.engine.request import Request
 
 _SEED_MASK = (1 << 64) - 1
+# Seeds of stream s are the engine's shifted by s times this odd 64-bit constant.
+_STREAM_STRIDE = 0x9E3779B97F4A7C15
 DRAW_METHODS = ("race", "inverse_cdf")
 _NEG_INF = float("-inf")
 
@@ -127,6 +129,9 @@ class Sampler:
         seed: Seed of the engine-wide generator used by rows without a per-request seed.
         draw: "race" or "inverse_cdf" (both exact); None picks inverse_cdf on CPU, race
             elsewhere. Seeded outputs depend on it.
+        stream: Which random stream seeded sequences draw from (0: the engine's). Two
+            samplers that draw for the same sequence (a draft model's and the target's)
+            need different streams, or their draws would be the same numbers.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class Sampler:
         seed: int = 0,
         *,
         draw: str | None = None,
+        stream: int = 0,
     ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -144,6 +150,7 @@ class Sampler:
         if draw not in DRAW_METHODS:
             raise ValueError(f"draw must be one of {DRAW_METHODS}, got {draw!r}")
         self.draw = draw
+        self.stream = stream
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed & _SEED_MASK)
         # seq_id -> generator of a seeded sequence. Created at its first draw, advanced only by
@@ -206,6 +213,25 @@ class Sampler:
             picked = processed.index_select(0, rows)
             probs.index_copy_(0, rows, self._truncated_probs(picked, plan))
         return probs
+
+    def draw_from(self, probs: torch.Tensor, seqs: Sequence[Request]) -> torch.Tensor:
+        """One token per row of the ``[rows, vocab]`` distribution ``probs`` (rows need not sum
+        to 1; each must have some positive mass), seeded rows from their own generator."""
+        return self._draw(probs, list(seqs))
+
+    def uniform(self, seqs: Sequence[Request]) -> torch.Tensor:
+        """Float64 ``[rows]`` uniforms in [0, 1), seeded rows from their own generator."""
+        return self._noise(list(seqs), 1, torch.float64, torch.Tensor.uniform_)[:, 0]
+
+    def logprobs_of(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, seqs: Sequence[Request]
+    ) -> list[TokenLogprobs | None] | None:
+        """Logprobs of ``token_ids`` (one per row) where the rows' params ask for them, as
+        ``SamplerResult.logprobs``."""
+        plan = _BatchPlan(seqs)
+        if not plan.logprob_rows:
+            return None
+        return self._logprobs(logits[:, : self.vocab_size], token_ids, seqs, plan)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -337,7 +363,8 @@ class Sampler:
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed((seq.sampling_params.seed + seq.index) & _SEED_MASK)  # type: ignore[operator]
+            seed = seq.sampling_params.seed + seq.index + self.stream * _STREAM_STRIDE  # type: ignore[operator]
+            gen.manual_seed(seed & _SEED_MASK)
             self._seq_generators[seq.seq_id] = gen
         return gen
 
