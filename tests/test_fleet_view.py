@@ -77,6 +77,11 @@ async def settle_fleet(pilot, app: PagectlTop, fleet: FleetSource, histories) ->
         ),
     )
     await settle(pilot, app, 1)
+    if fleet.member.history:  # the panels show the selected member's newest snapshot
+        newest = fleet.member.history[-1].time
+        assert await wait_until(
+            pilot, lambda: app.snapshot is not None and app.snapshot.time == newest
+        )
     app.fleet_table.show()
     await pilot.pause()
 
