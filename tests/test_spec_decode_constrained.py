@@ -180,3 +180,28 @@ def test_proposals_are_cut_at_the_first_token_the_grammar_rejects(tiny_qwen3):
         assert ahead.equal(real)
     finally:
         built.shutdown()
+
+
+def test_draft_model_method_leaves_constrained_sequences_unspeculated(
+    tiny_qwen3, plain_outputs, tmp_path
+):
+    """The draft method's proposals are drawn in the runner, past the grammar cut: its
+    constrained sequences decode without speculation, the unconstrained one speculates, and
+    every output equals the run without speculation."""
+    from pagectl.testing.truncated_draft import write_truncated_draft
+
+    draft = write_truncated_draft(tiny_qwen3, tmp_path / "draft", 1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    built = _engine(tiny_qwen3, spec, block_size=16)
+    try:
+        out = _run(built, _requests(1))
+        expected = plain_outputs[1]
+        for key in expected:
+            assert out[key][:2] == expected[key][:2], key
+        _check_valid(built.tokenizer, out)
+        c = built.core.scheduler.counters
+        # Only the plain request's 30 tokens can have come from verifications.
+        assert 0 < c.spec_decode_num_drafts <= 30
+        assert built.core.scheduler.kv.pool.num_used_blocks == 0
+    finally:
+        built.shutdown()
