@@ -133,7 +133,9 @@ def main() -> int:
         max_num_seqs=max(a.streams, 16),
         num_threads=a.num_threads,
     )
-    spec = {"method": "ngram", "num_speculative_tokens": max(ks)}
+    # Speculation at every batch size: the method's own cost (the engine's default turns it
+    # off from 8 running sequences; the last rows measure that).
+    spec = {"method": "ngram", "num_speculative_tokens": max(ks), "disable_by_batch_size": 0}
     llm = LLM(speculative_config=spec, **common)
     tok = llm.get_tokenizer()
     vocab = llm.engine.vocab_size
@@ -199,7 +201,12 @@ def _draft_model_runs(a, ks, common, workloads, bases, report) -> bool:
     ok = True
     with tempfile.TemporaryDirectory(prefix="pagectl-draft-") as tmp:
         draft = a.draft or str(write_truncated_draft(resolve_model(None), tmp, a.draft_layers))
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": max(ks)}
+        spec = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": max(ks),
+            "disable_by_batch_size": 0,
+        }
         llm = LLM(speculative_config=spec, **common)
         print(f"draft model: {draft} ({a.draft_layers} layers unless --draft)", flush=True)
         for (name, streams), base in bases.items():

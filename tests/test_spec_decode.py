@@ -22,7 +22,13 @@ from pagectl.engine.spec_decode.ngram import NgramProposer
 
 MAX_NEW = 24
 VOCAB = 384
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# Speculation at every batch size (the engine's default turns it off from 8 sequences).
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": 0,
+}
 
 # Random prompts, two sharing a 20-token prefix, and two that repeat themselves (long
 # accepted runs from the first decode step on).
@@ -372,6 +378,7 @@ def _check_distribution(models, num_samples: int) -> None:
         "num_speculative_tokens": 2,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 1,
+        "disable_by_batch_size": 0,
     }
     counts, c = _sample_first_tokens(path, prompt, num_samples, spec)
     assert c.spec_decode_num_drafts > num_samples // 5
@@ -481,3 +488,32 @@ def test_console_trends_show_the_acceptance_rate():
     plain = fake_engine(EngineArgs(num_kv_blocks=64)).core.snapshot()
     widget.show(history, plain)
     assert "spec accept" not in widget.render().plain
+
+
+def test_speculation_is_off_from_eight_running_sequences_by_default():
+    """Without ``disable_by_batch_size`` in the config, steps running 8 or more sequences
+    propose nothing (measured on CPU: speculation loses there); ``0`` keeps it on."""
+    from pagectl.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+    from pagectl.testing.fake_engine import fake_engine
+
+    assert DEFAULT_DISABLE_BY_BATCH_SIZE == 8
+    assert (
+        SpeculativeConfig.parse(
+            {"method": "ngram", "num_speculative_tokens": 3}
+        ).disable_by_batch_size
+        == 8
+    )
+
+    def drafts(n: int, extra: dict) -> int:
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+        core = fake_engine(EngineArgs(num_kv_blocks=256, speculative_config=spec | extra)).core
+        sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=12)
+        for i in range(n):
+            core.add_request(f"r{i}", list(range(3, 60)), sp)
+        while core.has_unfinished():
+            core.step()
+        return core.scheduler.counters.spec_decode_num_drafts
+
+    assert drafts(8, {}) == 0
+    assert drafts(8, {"disable_by_batch_size": 0}) > 0
+    assert drafts(7, {}) > 0

@@ -20,7 +20,12 @@ from pagectl.engine.builder import build_engine
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.structured_outputs import StructuredOutputsParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": 0,
+}
 # Arrays of like objects: the output repeats itself, so n-gram lookup finds proposals.
 SCHEMA = {
     "type": "object",

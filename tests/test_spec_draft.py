@@ -50,7 +50,12 @@ def models(tmp_path_factory):
 
 
 def _spec(draft, k=K):
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    return {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": 0,
+    }
 
 
 def _engine(path, draft, k=K, **kw):

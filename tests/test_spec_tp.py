@@ -43,8 +43,13 @@ def test_speculation_at_tp2_matches_tp1_without_it(tmp_path_factory):
     plain.shutdown()
     assert expect == reference
     specs = {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3},
-        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
+        "draft_model": {
+            "method": "draft_model",
+            "model": str(draft),
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 0,
+        },
     }
     workers = TPWorkers.start(2, "cpu")
     try:

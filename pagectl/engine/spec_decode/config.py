@@ -4,6 +4,12 @@ Keys as vLLM's: ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`
 most tokens proposed per sequence per step), ``prompt_lookup_max`` / ``prompt_lookup_min``
 (n-gram lengths tried, longest first), ``model`` (the draft model of "draft_model") and
 ``disable_by_batch_size`` (no proposals in a step that runs at least this many sequences).
+
+Unlike vLLM, where speculation is on at any batch size unless ``disable_by_batch_size`` is
+given, pagectl turns it off from ``DEFAULT_DISABLE_BY_BATCH_SIZE`` running sequences when the
+key is absent: on the 2-core CPU machine n-gram speculation measured break-even at 8 streams
+and 0.52-0.86x at 16 (docs/PERFORMANCE.md section 11), because a verification multiplies the
+decode rows of a step whose cost already grows with them. ``0`` keeps it on at any size.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ _KEYS = {
     "model",
     "disable_by_batch_size",
 }
+# Steps running at least this many sequences propose nothing unless the config says so.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 # Upper bound of K: a verification feeds K + 1 tokens per sequence.
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -36,7 +44,7 @@ class SpeculativeConfig:
     # "draft_model" only: the draft model's directory or hub id.
     model: str | None = None
     # Steps that run at least this many sequences propose nothing (0: never off).
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
