@@ -368,18 +368,10 @@ def _sample_first_tokens(path, prompt, num_samples, spec, depth=3):
         llm.shutdown()
 
 
-def _check_distribution(models, num_samples: int) -> None:
-    path, reference = models("qwen3")
-    # A prompt followed by its own greedy continuation, which repeats itself: proposals are
-    # often, but not always, what the model samples next.
-    prompt = PROMPTS[-2] + reference[-2]
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 2,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 1,
-        "disable_by_batch_size": 0,
-    }
+def assert_target_distribution(path, prompt: list[int], num_samples: int, spec: dict) -> None:
+    """Speculative sampling of 3 tokens after ``prompt`` gives the target's exact joint
+    distribution (chi-square), with proposals both accepted and rejected; the statistic is
+    shown able to fail on a slightly skewed distribution."""
     counts, c = _sample_first_tokens(path, prompt, num_samples, spec)
     assert c.spec_decode_num_drafts > num_samples // 5
     assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
@@ -394,6 +386,21 @@ def _check_distribution(models, num_samples: int) -> None:
         third = sorted((k for k in exact if k[:2] == prefix), key=exact.get, reverse=True)
         skewed[third[0]], skewed[third[1]] = exact[third[1]], exact[third[0]]
     assert _chi_square_p_value(counts, skewed, num_samples) < 1e-3
+
+
+def _check_distribution(models, num_samples: int) -> None:
+    path, reference = models("qwen3")
+    # A prompt followed by its own greedy continuation, which repeats itself: proposals are
+    # often, but not always, what the model samples next.
+    prompt = PROMPTS[-2] + reference[-2]
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 1,
+        "disable_by_batch_size": 0,
+    }
+    assert_target_distribution(path, prompt, num_samples, spec)
 
 
 def test_sampled_distribution_is_the_targets(models):

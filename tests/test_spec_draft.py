@@ -19,9 +19,7 @@ from test_spec_decode import (
     PROMPTS,
     VOCAB,
     _check_cache_holds_only_verified,
-    _chi_square_p_value,
-    _exact_joint,
-    _sample_first_tokens,
+    assert_target_distribution,
 )
 from tiny_models import build_tiny_model, engine_greedy, lazy_reference_models
 
@@ -257,20 +255,7 @@ NUM_SAMPLES = 800
 def _check_distribution(models, num_samples: int) -> None:
     path, draft, reference = models("qwen3")
     prompt = PROMPTS[-2] + reference[-2]
-    counts, c = _sample_first_tokens(path, prompt, num_samples, _spec(draft, 2))
-    assert c.spec_decode_num_drafts > num_samples // 5
-    assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
-    exact = _exact_joint(path, prompt, 3)
-    assert set(counts) <= set(exact)
-    p = _chi_square_p_value(counts, exact, num_samples)
-    assert p > 1e-3, f"chi-square p = {p:.2e}"
-    # The same statistic rejects a distribution that is off by a bit (the third token's
-    # two most likely values swapped).
-    skewed = dict(exact)
-    for prefix in {k[:2] for k in exact}:
-        third = sorted((k for k in exact if k[:2] == prefix), key=exact.get, reverse=True)
-        skewed[third[0]], skewed[third[1]] = exact[third[1]], exact[third[0]]
-    assert _chi_square_p_value(counts, skewed, num_samples) < 1e-3
+    assert_target_distribution(path, prompt, num_samples, _spec(draft, 2))
 
 
 def test_sampled_distribution_is_the_targets(models):
