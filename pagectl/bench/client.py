@@ -102,7 +102,10 @@ async def run_clients(
     timings: list[RequestTiming | None] = [None] * len(payloads)
     next_index = iter(range(len(payloads)))
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # A fresh loopback connection per request, for every engine alike: llama-server closes
+    # a connection after a streamed answer, and a client reusing it failed the next request
+    # ("Can not write request body").
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
