@@ -280,15 +280,16 @@ class _VerifyRow:
 
     def __init__(self, req, position: int, token: int) -> None:
         # Indexed by position like a sequence's own list: only [position] is read.
-        self.all_token_ids = _OneToken(position, token)
+        self.all_token_ids = OneToken(position, token)
         self.num_computed_tokens = position
         self.block_ids = req.block_ids
         self.sampling_params = req.sampling_params
         self.seq_id = req.seq_id
 
 
-class _OneToken:
-    """A list-like holding one token at ``position`` (what ``plan`` slices)."""
+class OneToken:
+    """A list-like holding one token at ``position`` (what ``plan`` slices; the draft model's
+    passes use it too)."""
 
     __slots__ = ("position", "token")
 

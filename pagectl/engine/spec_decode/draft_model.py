@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagectl.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagectl.engine.runner.input_batch import OneToken
 from pagectl.engine.runner.sampler import Sampler, SamplerResult
 from pagectl.engine.spec_decode.rejection import rejection_sample
 from pagectl.engine.spec_decode.verify import SpecRow
@@ -65,20 +66,6 @@ class _DraftSeq:
         self.block_ids = req.block_ids
         self.seq_id = req.seq_id
         self.sampling_params = _NO_PROMPT_LOGPROBS
-
-
-class _OneToken:
-    """A list-like holding one token at ``position`` (all the batch builder slices)."""
-
-    __slots__ = ("position", "token")
-
-    def __init__(self, position: int, token: int) -> None:
-        self.position = position
-        self.token = token
-
-    def __getitem__(self, sl: slice) -> list[int]:
-        assert sl.start == self.position and sl.stop == self.position + 1
-        return [self.token]
 
 
 class DraftModelProposer:
@@ -135,7 +122,7 @@ class DraftModelProposer:
                     _DraftSeq(
                         so.seqs[i],
                         so.seqs[i].num_computed_tokens + j,
-                        _OneToken(so.seqs[i].num_computed_tokens + j, drafts[i][-1]),
+                        OneToken(so.seqs[i].num_computed_tokens + j, drafts[i][-1]),
                     )
                     for i in active
                 ]
@@ -195,7 +182,7 @@ class DraftModelProposer:
         for i, drafts in enumerate(so.spec_token_ids):
             if drafts and len(gained[i]) == len(drafts) + 1:
                 pos = so.seqs[i].num_computed_tokens + len(drafts)
-                views.append(_DraftSeq(so.seqs[i], pos, _OneToken(pos, drafts[-1])))
+                views.append(_DraftSeq(so.seqs[i], pos, OneToken(pos, drafts[-1])))
         if views:
             self._forward(views, [1] * len(views), [False] * len(views), [])
 
