@@ -128,6 +128,13 @@ COMPLETION_400 = [
     ),
     ({"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
     ({"prompt": ["p"] * 300}, "prompt", "at most 256"),
+    # JSON text nested deeper than the parser goes (it raised RecursionError: a 500).
+    ({"prompt": "hi", "guided_json": "[" * 50000}, "guided_json", "nested too deep"),
+    (
+        {"prompt": "hi", "structured_outputs": {"structural_tag": "[" * 50000 + "]" * 50000}},
+        "structured_outputs",
+        "nested too deep",
+    ),
 ]
 
 

@@ -156,27 +156,9 @@ def parse_structured(body: dict) -> Constraint | None:
         raise bad_request(f"give one constraint, not several ({names})", sources[1][0])
     field, kind, value = sources[0]
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise bad_request(
-                    f"{field}: the JSON schema is not valid JSON: {e}", field
-                ) from None
-        if not isinstance(value, (dict, bool)):
-            raise bad_request(f"{field}: the JSON schema must be an object", field)
-        value = canonical_json(value)
+        value = _json_object(field, value, "the JSON schema", (dict, bool))
     if kind == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise bad_request(
-                    f"{field}: the structural tag is not valid JSON: {e}", field
-                ) from None
-        if not isinstance(value, dict):
-            raise bad_request(f"{field}: the structural tag must be an object", field)
-        value = canonical_json(value)
+        value = _json_object(field, value, "the structural tag", (dict,))
     try:
         params = StructuredOutputsParams(**{kind: value}, disable_any_whitespace=ws)
     except StructuredOutputsError as e:
@@ -196,3 +178,18 @@ def check_grammar(constraint: Constraint) -> None:
         raise bad_request(
             f"{constraint.param}: the constraint cannot be compiled: {e}", constraint.param
         ) from None
+
+
+def _json_object(field: str, value: object, what: str, types: tuple[type, ...]) -> str:
+    """``value`` (an object, or its JSON text) as canonical JSON text; a 400 naming ``field``
+    when the text does not parse (nesting too deep for the parser included) or is not one of
+    ``types``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as e:
+            why = e if isinstance(e, json.JSONDecodeError) else "nested too deep"
+            raise bad_request(f"{field}: {what} is not valid JSON: {why}", field) from None
+    if not isinstance(value, types):
+        raise bad_request(f"{field}: {what} must be an object", field)
+    return canonical_json(value)
