@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 # OpenMP threads that spin while idle steal the CPU from the engine's own Python thread and
 # from other processes (docs/MODEL_EXECUTION.md, "Threads on a shared machine"). Must be set
 # before torch is imported; an explicit setting in the environment wins.
+# On a machine whose cores the engine has to itself, a short spin before sleeping is faster:
+# `GOMP_SPINCOUNT=10000` (libgomp's count of polls, about half a millisecond here) keeps the
+# threads awake between the parallel regions of one step (docs/PERFORMANCE.md, section 12).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

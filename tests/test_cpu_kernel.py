@@ -227,10 +227,14 @@ def test_cache_key_follows_the_source(monkeypatch, tmp_path, fake_cxx):
     compiler = os.environ["CXX"]
     key = cpu_build.build_key(compiler)
     assert key == cpu_build.build_key(compiler)
-    source = tmp_path / "kernel.cpp"
-    source.write_text(cpu_build.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_build, "SOURCE", source)
-    assert cpu_build.build_key(compiler) != key
+    for i, original in enumerate(cpu_build.SOURCES):  # each source is in the key
+        source = tmp_path / f"kernel{i}.cpp"
+        source.write_text(original.read_text() + "\n// changed\n")
+        changed = list(cpu_build.SOURCES)
+        changed[i] = source
+        monkeypatch.setattr(cpu_build, "SOURCES", tuple(changed))
+        assert cpu_build.build_key(compiler) != key
+    monkeypatch.setattr(cpu_build, "SOURCES", cpu_build.SOURCES)
 
 
 def test_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog):

@@ -78,9 +78,52 @@ def test_int8_kernel_matches_its_dequantized_weight():
     x = torch.randn(5, 64)
     q = Int8Weight.quantize(w)
     assert (q.dequantize() - w).abs().max() <= w.abs().amax() / 127  # half a step, with slack
+    # The project kernel: float32 activations as they are, float32 accumulation.
+    assert q._ops is not None, "the CPU kernels did not build"
+    assert torch.allclose(q.matmul(x), x @ q.dequantize().t(), rtol=1e-5, atol=1e-4)
+    assert q.matmul(x).dtype == torch.float32
+    assert q.matmul(x.bfloat16()).dtype == torch.bfloat16
+    # torch's kernel (the fallback): the input rounded to bfloat16 first.
+    q._ops = None
     ref = x.bfloat16().float() @ q.dequantize().t()
     assert torch.allclose(q.matmul(x), ref, rtol=2e-2, atol=2e-2)
     assert q.matmul(x).dtype == torch.float32
+
+
+def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
+    from pagectl.engine.quant.kernels import skinny_ops
+
+    ops = skinny_ops()
+    assert ops is not None, "the CPU kernels did not build"
+    torch.manual_seed(0)
+    # Row counts across the tile sizes (3 rows per pass, 4 weight rows per tile), output
+    # features with a partial tile, and an input width that is not a power of two.
+    for m, n, k in [(1, 48, 64), (2, 30, 40), (3, 16, 8), (7, 53, 136), (16, 64, 512)]:
+        x = torch.randn(m, k)
+        w = torch.randn(n, k)
+        bias = torch.randn(n)
+        want = x @ w.t() + bias
+        assert torch.allclose(ops.skinny_linear(x, w, None, bias), want, rtol=1e-5, atol=1e-4)
+        wb = w.bfloat16()
+        want_b = x @ wb.float().t()
+        assert torch.allclose(ops.skinny_linear(x, wb, None, None), want_b, rtol=1e-5, atol=1e-4)
+        out_b = ops.skinny_linear(x.bfloat16(), wb, None, None)
+        assert out_b.dtype == torch.bfloat16
+        assert torch.allclose(
+            out_b.float(), x.bfloat16().float() @ wb.float().t(), rtol=1e-2, atol=5e-2
+        )
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale = torch.rand(n) / 100
+        want_q = x @ (q.float() * scale[:, None]).t()
+        got_q = ops.skinny_linear(x, q, scale, None)
+        assert torch.allclose(got_q, want_q, rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="needs its scale"):
+        ops.skinny_linear(x, torch.zeros(4, 64, dtype=torch.int8), None, None)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.skinny_linear(torch.randn(2, 12), torch.randn(4, 12), None, None)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.skinny_linear(x, torch.randn(4, 32), None, None)
 
 
 def test_int4_kernel_matches_its_dequantized_weight():

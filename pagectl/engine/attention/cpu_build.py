@@ -1,4 +1,5 @@
-"""Builds the C++ CPU attention kernel (``csrc/paged_attention_cpu.cpp``) once, and loads it.
+"""Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention,
+and ``csrc/skinny_linear_cpu.cpp``, the few-row matmul) once, into one library, and loads it.
 
 The source is compiled with the machine's C++ compiler against the running torch (its
 headers and libraries; no Python headers, no ninja) into a shared library that registers
@@ -45,6 +46,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+# Every source compiled into the library: the attention kernel and the skinny matmul.
+SOURCES = (SOURCE, SOURCE.parent / "skinny_linear_cpu.cpp")
 LIBRARY_NAME = "pagectl_cpu_attention"
 # A build that takes longer is abandoned (the torch backend is used instead).
 BUILD_TIMEOUT_S = 180.0
@@ -95,7 +98,7 @@ def isa_flags() -> list[str]:
 
 
 def compile_command(compiler: str, output: Path) -> list[str]:
-    """The compiler invocation that builds ``output`` from ``SOURCE``."""
+    """The compiler invocation that builds ``output`` from ``SOURCES``."""
     torch_dir = Path(torch.__file__).resolve().parent
     lib_dir = torch_dir / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
@@ -111,7 +114,7 @@ def compile_command(compiler: str, output: Path) -> list[str]:
         *isa_flags(),
         "-I",
         str(torch_dir / "include"),
-        str(SOURCE),
+        *(str(src) for src in SOURCES),
         "-o",
         str(output),
         f"-L{lib_dir}",
@@ -124,7 +127,8 @@ def compile_command(compiler: str, output: Path) -> list[str]:
 def build_key(compiler: str) -> str:
     """A hash of everything the built library depends on."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for src in SOURCES:
+        h.update(src.read_bytes())
     for part in (
         " ".join(compile_command(compiler, Path("out"))),
         _compiler_version(compiler),
@@ -166,8 +170,9 @@ def build_library(timeout_s: float = BUILD_TIMEOUT_S) -> Path:
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
-    if not SOURCE.is_file():
-        raise KernelBuildError(f"kernel source {SOURCE} is missing from the installation")
+    for src in SOURCES:
+        if not src.is_file():
+            raise KernelBuildError(f"kernel source {src} is missing from the installation")
     root = cache_root()
     key = build_key(compiler)
     lib = root / key / f"{LIBRARY_NAME}.so"
@@ -216,6 +221,7 @@ def load_cpu_ops() -> Any | None:
                 torch.ops.load_library(str(build_library()))
                 ops = torch.ops.pagectl_cpu
                 ops.paged_decode  # noqa: B018 (raises if the library registered nothing)
+                ops.skinny_linear  # noqa: B018
                 _state = ops
             except Exception as e:  # any failure means "use the torch backend"
                 _state = False

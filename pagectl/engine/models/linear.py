@@ -13,9 +13,14 @@ Every parameter carries ``weight_loader(param, loaded, shard_id)``, which copies
 part of a checkpoint tensor (or lazy slice) into it. Parameters are created uninitialised:
 the loader fills all of them.
 
-On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a layer's weight into
-oneDNN's blocked layout and frees the plain copy: oneDNN's matmul beats the default BLAS
-path for the skinny and mid-size matmuls of a serving step (figures: docs/MODEL_EXECUTION.md).
+On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a float32 layer's
+weight into oneDNN's blocked layout and frees the plain copy: oneDNN's matmul beats the
+default BLAS path for the skinny and mid-size matmuls of a serving step (figures:
+docs/MODEL_EXECUTION.md). A bfloat16 weight is packed the same way where oneDNN takes it (a
+CPU with native bfloat16 instructions); elsewhere it stays in its plain layout and the
+project's kernel (``torch.ops.pagectl_cpu.skinny_linear``) multiplies by it, widening the
+weights to float32 in registers: BLAS's bfloat16 path on such CPUs is several times slower
+than float32, the kernel reads half float32's bytes (docs/PERFORMANCE.md, section 12).
 
 Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
 ``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
@@ -37,7 +42,13 @@ from torch import nn
 from pagectl.engine.models.parallel import SINGLE, TPGroup, divide, kv_heads_per_rank
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
 from pagectl.engine.quant.checkpoint import SCALE_SPAN
-from pagectl.engine.quant.kernels import Int4Weight, Int8Weight, QuantizedWeight, int4_group_for
+from pagectl.engine.quant.kernels import (
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    int4_group_for,
+    skinny_ops,
+)
 
 # The parameters of a projection loaded from an AWQ/GPTQ checkpoint (see checkpoint.py).
 _INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
@@ -88,6 +99,8 @@ class PackableLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._packed: torch.Tensor | None = None
+        # The project's CPU kernels, when a plain bfloat16 weight is multiplied by them.
+        self._skinny: Any = None
         # Set by quantize(): the weight the matmul uses instead of ``weight``.
         self._quantized: QuantizedWeight | None = None
 
@@ -155,11 +168,14 @@ class PackableLinear(nn.Module):
         Returns whether it did (never for a quantized layer, which has its own kernel)."""
         if self._quantized is not None:
             return False
-        if self._packed is not None:
+        if self._packed is not None or self._skinny is not None:
             return True
-        packed = pack_cpu_weight(self.weight.data)
+        w = self.weight.data
+        packed = pack_cpu_weight(w)
         if packed is None:
-            return False
+            if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 8 == 0:
+                self._skinny = skinny_ops()
+            return self._skinny is not None
         self._packed = packed
         self._free_weight()
         return True
@@ -171,6 +187,10 @@ class PackableLinear(nn.Module):
                 y = y + bias
             return y.view(*x.shape[:-1], y.shape[-1])
         if self._packed is None:
+            if self._skinny is not None and x.dtype in (torch.float32, torch.bfloat16):
+                x2 = x.reshape(-1, x.shape[-1]).contiguous()
+                y = self._skinny.skinny_linear(x2, self.weight, None, bias)
+                return y.view(*x.shape[:-1], y.shape[-1])
             return F.linear(x, self.weight, bias)
         if x.dim() == 2:
             return packed_linear(x, self._packed, bias)

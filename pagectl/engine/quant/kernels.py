@@ -7,14 +7,24 @@
   ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu``.
   The kernel needs ``G`` in (32, 64, 128, 256) and output features divisible by 16.
 
-Both kernels take their activations in ``KERNEL_DTYPE`` (bfloat16): on this project's CPUs
-their float32 variants are 3-10x slower (measured, docs/PERFORMANCE.md), so a float32 model
-casts a layer's input to bfloat16 and the output back. Scales are stored in bfloat16 too
-(the kernels require the activation dtype), so the reference a quantized layer matches is
-its dequantized weight applied to bfloat16-rounded inputs, accumulated in float32.
+torch's kernels take their activations in ``KERNEL_DTYPE`` (bfloat16): on this project's
+CPUs their float32 variants are 3-10x slower (measured, docs/PERFORMANCE.md), so a float32
+model casts a layer's input to bfloat16 and the output back. Scales are stored rounded to
+bfloat16 (the kernels require the activation dtype).
+
+int8 prefers the project's own CPU kernel, ``torch.ops.pagectl_cpu.skinny_linear``
+(``attention/csrc/skinny_linear_cpu.cpp``, built with the attention kernel): it reads the
+same ``[N, K]`` int8 weight, takes float32 or bfloat16 activations as they are and
+accumulates in float32, and is faster than ``_weight_int8pack_mm`` at every batch size
+measured (docs/PERFORMANCE.md). torch's kernel is the fallback where that library cannot be
+built. Either way a quantized layer computes its dequantized weight (``dequantize()``)
+applied to its input, accumulated in float32: the input rounded to bfloat16 first on the
+fallback path, as it is.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -24,6 +34,15 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 _INNER_K_TILES = 1
 
 
+def skinny_ops() -> Any | None:
+    """``torch.ops.pagectl_cpu`` when the project's CPU kernels load (built on first use),
+    else None."""
+    from pagectl.engine.attention import cpu_build
+
+    ops = cpu_build.load_cpu_ops()
+    return ops if ops is not None and hasattr(ops, "skinny_linear") else None
+
+
 class Int8Weight:
     """An int8 weight ``[N, K]`` with one scale per output row."""
 
@@ -31,6 +50,9 @@ class Int8Weight:
         self.q = q.contiguous()  # int8 [N, K]
         self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
         self.out_features = q.shape[0]
+        # The project kernel (None: torch's), and the same scales in float32 for it.
+        self._ops = skinny_ops() if self.q.device.type == "cpu" and q.shape[1] % 8 == 0 else None
+        self._scale_f32 = self.scale.float()
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
@@ -51,6 +73,8 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
+        if self._ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return self._ops.skinny_linear(x.contiguous(), self.q, self._scale_f32, None)
         y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scale)
         return y if x.dtype == KERNEL_DTYPE else y.to(x.dtype)
 

@@ -13,9 +13,12 @@
 // Work items are split among torch's intra-op threads in contiguous ranges of about equal
 // key counts, so that the sorted short and long sequences balance.
 //
-// Arithmetic is written with GCC/Clang vector extensions on 16 floats: one AVX-512
-// register, two AVX2 ones, four SSE or NEON ones, whatever the build targets. Head sizes
-// that are a multiple of 16 take that path; others a scalar one.
+// Arithmetic is written with GCC/Clang vector extensions on one register of the build's
+// target: 16 floats with AVX-512, 8 otherwise (one AVX2 register, two SSE or NEON ones). A
+// vector wider than the target's registers is not kept in registers by the compilers: with
+// 16-float vectors on AVX2, GCC spilled the accumulators and dot products to the stack
+// (about 100 ns per key and query head at head_dim 64, against 8-float vectors' few).
+// Head sizes of 16, 32, 64, 80, 96 and 128 take the vector path; others a scalar one.
 //
 // Layouts (checked at the boundary):
 //   q, out        [rows, num_heads, head_dim], last dim contiguous, any row / head stride;
@@ -41,13 +44,17 @@
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
-typedef float vec16 __attribute__((vector_size(kLanes * sizeof(float))));
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vecw __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
-typedef int32_t ivec16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint16_t u16vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t u32vec16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t ivecw __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint16_t u16vecw __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t u32vecw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 constexpr float kLog2e = 1.4426950408889634f;
 // ln 2 as a high part with few mantissa bits (so n * kLn2Hi is exact) plus the remainder.
@@ -88,40 +95,46 @@ inline float exp_nonpositive_scalar(float x) {
   return exp_nonpositive<vec1, ivec1>(v)[0];
 }
 
-inline float hsum(vec16 v) {
+inline float hsum(vec4 s4) { return (s4[0] + s4[2]) + (s4[1] + s4[3]); }
+
+inline float hsum(vec8 v) {
+  vec4 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  return hsum(a + b);
+}
+
+#if defined(__AVX512F__)
+inline float hsum(vecw v) {
   vec8 lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const vec8 s8 = lo + hi;
-  vec4 a, b;
-  std::memcpy(&a, &s8, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
-  const vec4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  return hsum(lo + hi);
 }
+#endif
 
 // 16 consecutive elements as floats.
-inline vec16 load16(const float* p) {
-  vec16 v;
+inline vecw loadw(const float* p) {
+  vecw v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline vec16 load16(const c10::BFloat16* p) {
-  u16vec16 raw;
+inline vecw loadw(const c10::BFloat16* p) {
+  u16vecw raw;
   std::memcpy(&raw, p, sizeof raw);
-  const u32vec16 wide = __builtin_convertvector(raw, u32vec16) << 16;
-  vec16 v;
+  const u32vecw wide = __builtin_convertvector(raw, u32vecw) << 16;
+  vecw v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
 }
 
-inline vec16 load16(const c10::Half* p) {
+inline vecw loadw(const c10::Half* p) {
   float tmp[kLanes];
   for (int i = 0; i < kLanes; ++i) {
     tmp[i] = static_cast<float>(p[i]);
   }
-  return load16(tmp);
+  return loadw(tmp);
 }
 
 // Touches the first cache line of every 4 KiB page that rows [0, rows) of a block (row_bytes
@@ -160,7 +173,7 @@ struct DecodeShape {
 
 // Scratch of one work item: nq = (h1 - h0) * group query heads.
 struct Work {
-  std::vector<vec16> qv, acc;  // [nq, head_dim / 16] (vector path)
+  std::vector<vecw> qv, acc;  // [nq, head_dim / kLanes] (vector path)
   std::vector<float> qf, accf;  // [nq, head_dim] (scalar path)
   std::vector<float> scores;    // [nq, block_size]: a block's scores, then its weights
   std::vector<float> run_max, run_sum;  // [nq]
@@ -180,9 +193,9 @@ inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, floa
     float total = 0.0f;
     int64_t t = 0;
     if (n >= kLanes) {
-      vec16 sum = {};
+      vecw sum = {};
       for (; t + kLanes <= n; t += kLanes) {
-        const vec16 e = exp_nonpositive<vec16, ivec16>(load16(sj + t) - m);
+        const vecw e = exp_nonpositive<vecw, ivecw>(loadw(sj + t) - m);
         std::memcpy(sj + t, &e, sizeof e);
         sum += e;
       }
@@ -199,7 +212,7 @@ inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, floa
 }
 
 // One sequence's query heads that share KV heads [h0, h1), over its cached keys.
-// kChunks = head_dim / 16 > 0 takes the vector path with the head size fixed at compile
+// kChunks = head_dim / kLanes > 0 takes the vector path with the head size fixed at compile
 // time; 0 the scalar path for any head size.
 template <typename scalar_t, int kChunks>
 void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache,
@@ -221,8 +234,8 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     const scalar_t* qj = q + (h0 * G + j) * s.q_head_stride;
     if constexpr (kVector) {
       for (int c = 0; c < kChunks; ++c) {
-        w.qv[j * kChunks + c] = load16(qj + c * kLanes) * s.scale;
-        w.acc[j * kChunks + c] = vec16{};
+        w.qv[j * kChunks + c] = loadw(qj + c * kLanes) * s.scale;
+        w.acc[j * kChunks + c] = vecw{};
       }
     } else {
       for (int64_t d = 0; d < D; ++d) {
@@ -266,13 +279,13 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
           prefetch_lines(kn + t * token_stride + h * D, head_bytes);
         }
         if constexpr (kVector) {
-          vec16 k[kChunks];
+          vecw k[kChunks];
           for (int c = 0; c < kChunks; ++c) {
-            k[c] = load16(kr + c * kLanes);
+            k[c] = loadw(kr + c * kLanes);
           }
           for (int64_t g = 0; g < G; ++g) {
-            const vec16* qj = w.qv.data() + (h * G + g) * kChunks;
-            vec16 dot = qj[0] * k[0];
+            const vecw* qj = w.qv.data() + (h * G + g) * kChunks;
+            vecw dot = qj[0] * k[0];
             for (int c = 1; c < kChunks; ++c) {
               dot += qj[c] * k[c];
             }
@@ -297,7 +310,7 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
         const int64_t j = h * G + g;
         const float* pj = scores + j * bs;
         if constexpr (kVector) {
-          vec16 a[kChunks];
+          vecw a[kChunks];
           for (int c = 0; c < kChunks; ++c) {
             a[c] = w.acc[j * kChunks + c] * alpha_p[j];
           }
@@ -307,7 +320,7 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
               prefetch_lines(vn + t * token_stride + h * D, head_bytes);
             }
             for (int c = 0; c < kChunks; ++c) {
-              a[c] += pj[t] * load16(vr + c * kLanes);
+              a[c] += pj[t] * loadw(vr + c * kLanes);
             }
           }
           for (int c = 0; c < kChunks; ++c) {
@@ -405,22 +418,22 @@ void decode_typed(const DecodeShape& s, int64_t rows, const at::Tensor& q,
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   switch (s.head_dim) {
     case 16:
-      decode_all<scalar_t, 1>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 16 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     case 32:
-      decode_all<scalar_t, 2>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 32 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     case 64:
-      decode_all<scalar_t, 4>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 64 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     case 80:
-      decode_all<scalar_t, 5>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 80 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     case 96:
-      decode_all<scalar_t, 6>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 96 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     case 128:
-      decode_all<scalar_t, 8>(s, rows, qp, k, v, tables, lens, o);
+      decode_all<scalar_t, 128 / kLanes>(s, rows, qp, k, v, tables, lens, o);
       break;
     default:
       decode_all<scalar_t, 0>(s, rows, qp, k, v, tables, lens, o);

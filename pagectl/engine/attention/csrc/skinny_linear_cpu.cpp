@@ -1,0 +1,213 @@
+// y = x W^T (* scale) (+ bias) for a few rows of x: the matmuls of a decode step on CPU.
+//
+// Registered as torch.ops.pagectl_cpu.skinny_linear; built with the attention kernel by
+// pagectl/engine/attention/cpu_build.py, called by pagectl/engine/models/linear.py.
+//
+// A decode step multiplies one row per sequence by every weight of the model, so for a
+// few rows its time is the time to stream the weights from memory: the kernel reads each
+// weight once per call, in the checkpoint's own [N, K] layout (no packed copy), and keeps
+// the rows of x in cache. Weights may be float32, bfloat16 (widened to float32 in
+// registers: half the bytes of float32) or int8 with one float32 scale per output row
+// (a quarter). Arithmetic is float32 throughout, whatever the weight and x dtypes.
+//
+// Work: output features are split among torch's intra-op threads in tiles of kTileN rows;
+// a tile's weight rows are multiplied by up to kTileM rows of x at once (kTileN x kTileM
+// accumulators of 8 floats), the next rows of x reusing the tile from L1. Vector code is
+// GCC/Clang vector extensions on 8 floats (one AVX2 register, two SSE or NEON ones).
+//
+// Layouts (checked at the boundary):
+//   x      [M, K] float32 or bfloat16, contiguous; K a multiple of 8
+//   weight [N, K] float32, bfloat16 or int8, contiguous
+//   scale  [N] float32, required for int8 (and allowed for the others)
+//   bias   [N] any floating dtype, optional
+//   out    [M, N] in x's dtype
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <optional>
+#include <vector>
+
+namespace {
+
+typedef float fvec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef uint16_t u16vec8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t u32vec8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+typedef int8_t i8vec8 __attribute__((vector_size(8 * sizeof(int8_t))));
+
+constexpr int kTileN = 4;  // weight rows per tile
+constexpr int kTileM = 3;  // rows of x per pass over a tile
+
+inline fvec8 load8(const float* p) {
+  fvec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline fvec8 load8(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen and shift.
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<fvec8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  u16vec8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32vec8 bits = __builtin_convertvector(h, u32vec8) << 16;
+  fvec8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+
+inline fvec8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<fvec8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+#else
+  i8vec8 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, fvec8);
+#endif
+}
+
+inline float hsum(fvec8 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// out[m, n + r] for r < NR, m < MR: rows n.. of w times rows 0.. of x.
+template <typename W, int NR, int MR>
+inline void tile(const float* x, const W* w, int64_t k_dim, float* acc_out) {
+  fvec8 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = fvec8{};
+  for (int64_t k = 0; k < k_dim; k += 8) {
+    fvec8 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load8(x + m * k_dim + k);
+    for (int r = 0; r < NR; ++r) {
+      const fvec8 wv = load8(w + r * k_dim + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] += wv * xv[m];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc_out[m * NR + r] = hsum(acc[r][m]);
+}
+
+template <typename W, int NR>
+inline void tile_rows(const float* x, int64_t m_dim, const W* w, int64_t k_dim, float* acc) {
+  // acc: [m_dim, NR]
+  int64_t m = 0;
+  for (; m + kTileM <= m_dim; m += kTileM)
+    tile<W, NR, kTileM>(x + m * k_dim, w, k_dim, acc + m * NR);
+  switch (m_dim - m) {
+    case 2:
+      tile<W, NR, 2>(x + m * k_dim, w, k_dim, acc + m * NR);
+      break;
+    case 1:
+      tile<W, NR, 1>(x + m * k_dim, w, k_dim, acc + m * NR);
+      break;
+    default:
+      break;
+  }
+}
+
+template <typename W, typename O>
+void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
+         const float* scale, const float* bias, O* out) {
+  const int64_t tiles = (n_dim + kTileN - 1) / kTileN;
+  // Enough tiles per thread that a task reads a few KiB of weights at least.
+  const int64_t grain = std::max<int64_t>(1, 4096 / (k_dim * kTileN));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(m_dim) * kTileN);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileN;
+      const int64_t nr = std::min<int64_t>(kTileN, n_dim - n0);
+      const W* wt = w + n0 * k_dim;
+      if (nr == kTileN) {
+        tile_rows<W, kTileN>(x, m_dim, wt, k_dim, acc.data());
+      } else {
+        for (int64_t r = 0; r < nr; ++r)
+          tile_rows<W, 1>(x, m_dim, wt + r * k_dim, k_dim, acc.data() + r * m_dim);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t n = n0 + r;
+        const float s = scale ? scale[n] : 1.0f;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < m_dim; ++m) {
+          // Full tiles store [m, r]; the row-at-a-time tail stores [r, m].
+          const float v = nr == kTileN ? acc[m * kTileN + r] : acc[r * m_dim + m];
+          out[m * n_dim + n] = static_cast<O>(v * s + b);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& scale,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(),
+              "skinny_linear: x and weight must be contiguous");
+  const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k_dim, "skinny_linear: weight is [", n_dim, ", ",
+              weight.size(1), "], x has ", k_dim, " features");
+  TORCH_CHECK(k_dim % 8 == 0, "skinny_linear: K must be a multiple of 8, got ", k_dim);
+  const auto xt = x.scalar_type(), wt = weight.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16,
+              "skinny_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
+              "skinny_linear: weight must be float32, bfloat16 or int8");
+  const float* scale_p = nullptr;
+  at::Tensor scale_f;
+  if (scale.has_value() && scale->defined()) {
+    scale_f = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(scale_f.numel() == n_dim, "skinny_linear: scale must have N entries");
+    scale_p = scale_f.data_ptr<float>();
+  }
+  TORCH_CHECK(wt != at::kChar || scale_p, "skinny_linear: an int8 weight needs its scale");
+  const float* bias_p = nullptr;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == n_dim, "skinny_linear: bias must have N entries");
+    bias_p = bias_f.data_ptr<float>();
+  }
+  const at::Tensor xf = xt == at::kFloat ? x : x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  at::Tensor out = at::empty({m_dim, n_dim}, x.options());
+  if (m_dim == 0 || n_dim == 0) return out;
+  auto dispatch = [&](auto* out_p) {
+    if (wt == at::kFloat) {
+      run(xp, m_dim, k_dim, weight.data_ptr<float>(), n_dim, scale_p, bias_p, out_p);
+    } else if (wt == at::kBFloat16) {
+      run(xp, m_dim, k_dim, weight.data_ptr<c10::BFloat16>(), n_dim, scale_p, bias_p, out_p);
+    } else {
+      run(xp, m_dim, k_dim, weight.data_ptr<int8_t>(), n_dim, scale_p, bias_p, out_p);
+    }
+  };
+  if (xt == at::kFloat) {
+    dispatch(out.data_ptr<float>());
+  } else {
+    dispatch(out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagectl_cpu, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
