@@ -299,3 +299,13 @@ def test_quantization_is_refused_off_cpu(float_models):
         resolve_quantization("int8", {}, "cuda")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="int3")
+
+
+def test_skinny_linear_takes_a_strided_input():
+    from pagectl.engine.quant.kernels import skinny_ops
+
+    ops = skinny_ops()
+    assert ops is not None
+    x = torch.randn(6, 80)[:, 8:72]  # rows 80 apart
+    w = torch.randn(24, 64)
+    torch.testing.assert_close(ops.skinny_linear(x, w, None, None), x @ w.t())

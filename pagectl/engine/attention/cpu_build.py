@@ -1,5 +1,6 @@
-"""Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention,
-and ``csrc/skinny_linear_cpu.cpp``, the few-row matmul) once, into one library, and loads it.
+"""Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention;
+``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/decode_ops_cpu.cpp``, a layer's
+fused elementwise ops) once, into one library, and loads it.
 
 The source is compiled with the machine's C++ compiler against the running torch (its
 headers and libraries; no Python headers, no ninja) into a shared library that registers
@@ -46,8 +47,14 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-# Every source compiled into the library: the attention kernel and the skinny matmul.
-SOURCES = (SOURCE, SOURCE.parent / "skinny_linear_cpu.cpp")
+# Every source compiled into the library: the attention kernel, the skinny matmul and the
+# fused elementwise ops; and the headers they include (part of the cache key).
+SOURCES = (
+    SOURCE,
+    SOURCE.parent / "skinny_linear_cpu.cpp",
+    SOURCE.parent / "decode_ops_cpu.cpp",
+)
+HEADERS = (SOURCE.parent / "cpu_vec_math.h",)
 LIBRARY_NAME = "pagectl_cpu_attention"
 # A build that takes longer is abandoned (the torch backend is used instead).
 BUILD_TIMEOUT_S = 180.0
@@ -127,7 +134,7 @@ def compile_command(compiler: str, output: Path) -> list[str]:
 def build_key(compiler: str) -> str:
     """A hash of everything the built library depends on."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     for part in (
         " ".join(compile_command(compiler, Path("out"))),
@@ -170,7 +177,7 @@ def build_library(timeout_s: float = BUILD_TIMEOUT_S) -> Path:
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         if not src.is_file():
             raise KernelBuildError(f"kernel source {src} is missing from the installation")
     root = cache_root()
@@ -222,6 +229,7 @@ def load_cpu_ops() -> Any | None:
                 ops = torch.ops.pagectl_cpu
                 ops.paged_decode  # noqa: B018 (raises if the library registered nothing)
                 ops.skinny_linear  # noqa: B018
+                ops.add_rms_norm_  # noqa: B018
                 _state = ops
             except Exception as e:  # any failure means "use the torch backend"
                 _state = False

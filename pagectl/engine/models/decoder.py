@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagectl.engine.attention import cpu_build
 from pagectl.engine.attention.backend import AttentionBackend
 from pagectl.engine.attention.metadata import AttentionMetadata
 from pagectl.engine.model_config import ModelConfig
@@ -92,6 +93,11 @@ class DecoderAttention(nn.Module):
         # cache and the backend that reads and writes it.
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # The project's fused CPU ops (set by use_cpu_ops): q/k norm and rotary in one op.
+        self._ops: Any = None
+
+    def use_cpu_ops(self, ops: Any) -> None:
+        self._ops = ops
 
     def process_weights_after_loading(self) -> None:
         if self.qk_norm:
@@ -121,11 +127,26 @@ class DecoderAttention(nn.Module):
         d = self.head_dim
         n_qk = self.num_heads + self.num_kv_heads
         # q and k heads side by side: normalised and rotated together.
-        qk = qkv[:, : n_qk * d].view(t, n_qk, d)
-        if self.qk_norm:
-            qk = self._norm_qk(qk)
-        # Full-width tables (the whole head rotated) take the four-op form.
-        qk = apply_rotary_full(qk, cos, sin) if cos.shape[-1] == d else apply_rotary(qk, cos, sin)
+        if (
+            self._ops is not None
+            and cos.shape[-1] == d
+            and qkv.dim() == 2
+            and qkv.stride(1) == 1
+            and cos.dtype == qkv.dtype
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            # In place on this step's qkv, one op for the norm and the rotation.
+            w = self._qk_norm_weight if self.qk_norm else None
+            self._ops.qk_norm_rope_(qkv, n_qk, d, w, self.eps, cos.view(t, d), sin.view(t, d))
+            qk = qkv[:, : n_qk * d].view(t, n_qk, d)
+        else:
+            qk = qkv[:, : n_qk * d].view(t, n_qk, d)
+            if self.qk_norm:
+                qk = self._norm_qk(qk)
+            # Full-width tables (the whole head rotated) take the four-op form.
+            full = cos.shape[-1] == d
+            qk = apply_rotary_full(qk, cos, sin) if full else apply_rotary(qk, cos, sin)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, n_qk * d :].view(t, self.num_kv_heads, d)
@@ -255,7 +276,8 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.quantize("int8", group_size)
 
     def pack_for_cpu(self) -> int:
-        """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``).
+        """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``), and switch
+        the norms, SiLU and q/k rotation to the project's fused CPU ops when they load.
 
         Returns how many layers were packed. Weights cannot be reloaded afterwards.
         """
@@ -264,6 +286,12 @@ class DecoderForCausalLM(nn.Module):
             pack = getattr(m, "pack_for_cpu", None)
             if m is not self and pack is not None and pack():
                 packed += 1
+        ops = cpu_build.load_cpu_ops()
+        if ops is not None:
+            for m in self.modules():
+                use = getattr(m, "use_cpu_ops", None)
+                if use is not None:
+                    use(ops)
         return packed
 
     def forward(

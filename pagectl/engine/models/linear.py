@@ -181,21 +181,19 @@ class PackableLinear(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # A step's activations are 2-D: no reshapes around the kernel then (each is an op).
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self._quantized is not None:
-            y = self._quantized.matmul(x.reshape(-1, x.shape[-1]))
+            y = self._quantized.matmul(x2)
             if bias is not None:
                 y = y + bias
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if self._packed is None:
-            if self._skinny is not None and x.dtype in (torch.float32, torch.bfloat16):
-                x2 = x.reshape(-1, x.shape[-1]).contiguous()
-                y = self._skinny.skinny_linear(x2, self.weight, None, bias)
-                return y.view(*x.shape[:-1], y.shape[-1])
+        elif self._packed is not None:
+            y = packed_linear(x2, self._packed, bias)
+        elif self._skinny is not None and x.dtype in (torch.float32, torch.bfloat16):
+            y = self._skinny.skinny_linear(x2, self.weight, None, bias)
+        else:
             return F.linear(x, self.weight, bias)
-        if x.dim() == 2:
-            return packed_linear(x, self._packed, bias)
-        y = packed_linear(x.reshape(-1, x.shape[-1]), self._packed, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 class ColumnParallelLinear(PackableLinear):

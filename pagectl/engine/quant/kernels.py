@@ -74,7 +74,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
         if self._ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            return self._ops.skinny_linear(x.contiguous(), self.q, self._scale_f32, None)
+            return self._ops.skinny_linear(x, self.q, self._scale_f32, None)
         y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scale)
         return y if x.dtype == KERNEL_DTYPE else y.to(x.dtype)
 

@@ -35,6 +35,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,6 +45,8 @@
 #include <vector>
 
 namespace {
+
+using pagectl_cpu::exp_nonpositive;
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -56,36 +60,6 @@ typedef int32_t ivecw __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint16_t u16vecw __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t u32vecw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-constexpr float kLog2e = 1.4426950408889634f;
-// ln 2 as a high part with few mantissa bits (so n * kLn2Hi is exact) plus the remainder.
-constexpr float kLn2Hi = 0.693145751953125f;
-constexpr float kLn2Lo = 1.4286068203094172e-06f;
-// Below this, exp() would leave the normal range; the result is then exp(kExpFloor).
-constexpr float kExpFloor = -87.0f;
-
-// exp(x) for x <= 0 (softmax arguments are score - running max), -inf included: x = n ln2
-// + r with |r| <= ln2 / 2, exp(r) by its Taylor series to degree 7 (relative error below
-// 1e-8, under float rounding), 2^n built in the exponent bits. Arguments below kExpFloor
-// give exp(kExpFloor) ~ 1.6e-38: negligible beside the max term's 1. n is rounded by
-// truncating x log2(e) - 1/2 toward zero, which rounds to nearest for x <= 0.
-template <typename V, typename IV>
-inline V exp_nonpositive(V x) {
-  x = x < kExpFloor ? kExpFloor : x;
-  const IV ni = __builtin_convertvector(x * kLog2e - 0.5f, IV);
-  const V n = __builtin_convertvector(ni, V);
-  const V r = (x - n * kLn2Hi) - n * kLn2Lo;
-  V p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const IV bits = (ni + 127) << 23;
-  V two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
 
 typedef float vec1 __attribute__((vector_size(sizeof(float))));
 typedef int32_t ivec1 __attribute__((vector_size(sizeof(int32_t))));

@@ -16,7 +16,7 @@
 // GCC/Clang vector extensions on 8 floats (one AVX2 register, two SSE or NEON ones).
 //
 // Layouts (checked at the boundary):
-//   x      [M, K] float32 or bfloat16, contiguous; K a multiple of 8
+//   x      [M, K] float32 or bfloat16 (copied if not contiguous); K a multiple of 8
 //   weight [N, K] float32, bfloat16 or int8, contiguous
 //   scale  [N] float32, required for int8 (and allowed for the others)
 //   bias   [N] any floating dtype, optional
@@ -167,8 +167,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(),
-              "skinny_linear: x and weight must be contiguous");
+  TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
   TORCH_CHECK(weight.size(1) == k_dim, "skinny_linear: weight is [", n_dim, ", ",
               weight.size(1), "], x has ", k_dim, " features");
@@ -193,7 +192,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias_f.numel() == n_dim, "skinny_linear: bias must have N entries");
     bias_p = bias_f.data_ptr<float>();
   }
-  const at::Tensor xf = xt == at::kFloat ? x : x.to(at::kFloat);
+  const at::Tensor xf = xt == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   at::Tensor out = at::empty({m_dim, n_dim}, x.options());
   if (m_dim == 0 || n_dim == 0) return out;
