@@ -309,3 +309,29 @@ def test_skinny_linear_takes_a_strided_input():
     x = torch.randn(6, 80)[:, 8:72]  # rows 80 apart
     w = torch.randn(24, 64)
     torch.testing.assert_close(ops.skinny_linear(x, w, None, None), x @ w.t())
+
+
+def test_many_row_matmuls_widen_to_float32_and_agree_with_the_few_row_kernel(monkeypatch):
+    from pagectl.engine.models import linear
+    from pagectl.engine.models.linear import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(linear, "DENSE_SLICE_ELEMS", 64 * 40)  # several slices for N = 200
+    for kind in ("int8", "bfloat16"):
+        layer = ColumnParallelLinear(64, 200, bias=True)
+        layer.weight.data.copy_(torch.randn(200, 64))
+        layer.bias.data.copy_(torch.randn(200))
+        if kind == "int8":
+            layer.quantize("int8", 128)
+            dtype = torch.float32
+        else:
+            layer.weight.data = layer.weight.data.bfloat16()
+            layer.bias.data = layer.bias.data.bfloat16()
+            dtype = torch.bfloat16
+        layer.pack_for_cpu()
+        x = torch.randn(linear.DENSE_MIN_ROWS + 3, 64).to(dtype)
+        dense = layer(x)  # the widened GEMM
+        few = torch.cat([layer(x[i : i + 4]) for i in range(0, x.shape[0], 4)])  # the kernel
+        assert dense.dtype == few.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(dense.float(), few.float(), rtol=tol, atol=tol)

@@ -50,6 +50,16 @@ from pagectl.engine.quant.kernels import (
     skinny_ops,
 )
 
+# From this many rows on, a bfloat16 or int8 weight is widened to float32 a slice at a time
+# and multiplied by BLAS's float32 GEMM: at prefill sizes that is compute-bound and beats the
+# few-row kernel (the 33.6M model's 32 layer matmuls at M = 256: 109 / 118 ms against 151 /
+# 162 ms for bf16 / int8; at M = 512: 249 / 274 against 292 / 381), and widening costs a
+# small fraction of it. Below, the few-row kernel wins (it reads 2-4x fewer bytes per weight
+# than float32). Figures: docs/PERFORMANCE.md, section 12.
+DENSE_MIN_ROWS = 128
+# Elements of float32 weight widened at once (16 MiB).
+DENSE_SLICE_ELEMS = 1 << 22
+
 # The parameters of a projection loaded from an AWQ/GPTQ checkpoint (see checkpoint.py).
 _INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
 
@@ -180,9 +190,42 @@ class PackableLinear(nn.Module):
         self._free_weight()
         return True
 
+    def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x W^T + b`` by float32 GEMM over float32 slices of a bfloat16 or int8 weight, or
+        None when this layer's weight is neither."""
+        q = self._quantized
+        if isinstance(q, Int8Weight):
+            n = q.out_features
+
+            def widen(a: int, b: int) -> torch.Tensor:
+                return q.q[a:b].float() * q.scale_f32[a:b, None]
+        elif self._skinny is not None:
+            n = self.weight.shape[0]
+
+            def widen(a: int, b: int) -> torch.Tensor:
+                return self.weight[a:b].float()
+        else:
+            return None
+        xf = x.float()
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        step = max(16, DENSE_SLICE_ELEMS // max(1, x.shape[1]))
+        if step >= n:
+            torch.mm(xf, widen(0, n).t(), out=out)
+        else:
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                out[:, a:b] = torch.mm(xf, widen(a, b).t())
+        if bias is not None:
+            out += bias
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A step's activations are 2-D: no reshapes around the kernel then (each is an op).
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= DENSE_MIN_ROWS and x2.device.type == "cpu":
+            y = self._dense_matmul(x2, bias)
+            if y is not None:
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
         if self._quantized is not None:
             y = self._quantized.matmul(x2)
             if bias is not None:

@@ -52,7 +52,7 @@ class Int8Weight:
         self.out_features = q.shape[0]
         # The project kernel (None: torch's), and the same scales in float32 for it.
         self._ops = skinny_ops() if self.q.device.type == "cpu" and q.shape[1] % 8 == 0 else None
-        self._scale_f32 = self.scale.float()
+        self.scale_f32 = self.scale.float()
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
@@ -74,7 +74,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
         if self._ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            return self._ops.skinny_linear(x, self.q, self._scale_f32, None)
+            return self._ops.skinny_linear(x, self.q, self.scale_f32, None)
         y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scale)
         return y if x.dtype == KERNEL_DTYPE else y.to(x.dtype)
 

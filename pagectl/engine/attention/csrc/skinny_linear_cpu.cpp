@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -137,13 +138,24 @@ void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim
   const int64_t grain = std::max<int64_t>(1, 4096 / (k_dim * kTileN));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(m_dim) * kTileN);
+    constexpr bool kNarrow = !std::is_same_v<W, float>;
+    const bool widen = kNarrow && m_dim > kTileM;
+    std::vector<float> wide(widen ? static_cast<size_t>(kTileN * k_dim) : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileN;
       const int64_t nr = std::min<int64_t>(kTileN, n_dim - n0);
       const W* wt = w + n0 * k_dim;
       // The next full tile of this task, if any.
       const W* next = t + 1 < end && n0 + 2 * kTileN <= n_dim ? wt + kTileN * k_dim : nullptr;
-      if (nr == kTileN) {
+      if (nr == kTileN && widen) {
+        // Many rows: widen the tile to float32 once, so the rows of x that follow the first
+        // kTileM reuse it instead of converting it again.
+        for (int64_t i = 0; i < kTileN * k_dim; i += 8) {
+          const fvec8 v = load8(wt + i);
+          std::memcpy(wide.data() + i, &v, sizeof v);
+        }
+        tile_rows<float, kTileN>(x, m_dim, wide.data(), k_dim, acc.data(), nullptr);
+      } else if (nr == kTileN) {
         tile_rows<W, kTileN>(x, m_dim, wt, k_dim, acc.data(), next);
       } else {
         for (int64_t r = 0; r < nr; ++r)
