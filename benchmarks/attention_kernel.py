@@ -1,0 +1,64 @@
+"""The CPU paged decode kernel alone: time per cached key and query head.
+
+One decode row over a context of ``--context`` keys in consecutive blocks, for a few head
+layouts (KV heads, query heads, head_dim), on ``--threads`` threads; prints microseconds per
+call (median of 7 series) and nanoseconds per (key, query head).
+
+    python benchmarks/attention_kernel.py --threads 1 --context 2000
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from pagectl.engine.attention import cpu_build  # noqa: E402
+
+LAYOUTS = [(4, 8, 64), (1, 1, 64), (4, 8, 16), (4, 8, 128)]  # kv heads, q heads, head_dim
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu_build.load_cpu_ops()
+    if ops is None:
+        raise SystemExit(f"the CPU kernel did not build: {cpu_build.failure_reason()}")
+    dtype = getattr(torch, args.dtype)
+    bs, n = 16, args.context
+    print(f"threads {args.threads}, context {n}, {args.dtype}, load {os.getloadavg()}")
+    for kvh, nh, d in LAYOUTS:
+        blocks = -(-n // bs) + 1
+        cache = torch.randn(2, blocks, bs, kvh, d).to(dtype)
+        tables = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+        q = torch.randn(1, nh, d).to(dtype)
+        out = torch.empty_like(q)
+        lens = torch.tensor([n], dtype=torch.int32)
+        for _ in range(5):
+            ops.paged_decode(q, cache, tables, lens, d**-0.5, out)
+        series = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                ops.paged_decode(q, cache, tables, lens, d**-0.5, out)
+            series.append((time.perf_counter() - t0) / args.calls * 1e6)
+        us = statistics.median(series)
+        print(
+            f"kv heads {kvh}, q heads {nh}, head_dim {d}: {us:.0f} us per call, "
+            f"{us * 1e3 / (n * nh):.1f} ns per key and query head"
+        )
+
+
+if __name__ == "__main__":
+    main()
