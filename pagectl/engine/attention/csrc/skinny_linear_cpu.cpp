@@ -130,33 +130,33 @@ inline void tile_rows(const float* x, int64_t m_dim, const W* w, int64_t k_dim, 
   }
 }
 
-template <typename W, typename O>
-void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
+template <int TN, typename W, typename O>
+void run_tiles(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
          const float* scale, const float* bias, O* out) {
-  const int64_t tiles = (n_dim + kTileN - 1) / kTileN;
+  const int64_t tiles = (n_dim + TN - 1) / TN;
   // Enough tiles per thread that a task reads a few KiB of weights at least.
-  const int64_t grain = std::max<int64_t>(1, 4096 / (k_dim * kTileN));
+  const int64_t grain = std::max<int64_t>(1, 4096 / (k_dim * TN));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(m_dim) * kTileN);
+    std::vector<float> acc(static_cast<size_t>(m_dim) * TN);
     constexpr bool kNarrow = !std::is_same_v<W, float>;
     const bool widen = kNarrow && m_dim > kTileM;
-    std::vector<float> wide(widen ? static_cast<size_t>(kTileN * k_dim) : 0);
+    std::vector<float> wide(widen ? static_cast<size_t>(TN * k_dim) : 0);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileN;
-      const int64_t nr = std::min<int64_t>(kTileN, n_dim - n0);
+      const int64_t n0 = t * TN;
+      const int64_t nr = std::min<int64_t>(TN, n_dim - n0);
       const W* wt = w + n0 * k_dim;
       // The next full tile of this task, if any.
-      const W* next = t + 1 < end && n0 + 2 * kTileN <= n_dim ? wt + kTileN * k_dim : nullptr;
-      if (nr == kTileN && widen) {
+      const W* next = t + 1 < end && n0 + 2 * TN <= n_dim ? wt + TN * k_dim : nullptr;
+      if (nr == TN && widen) {
         // Many rows: widen the tile to float32 once, so the rows of x that follow the first
         // kTileM reuse it instead of converting it again.
-        for (int64_t i = 0; i < kTileN * k_dim; i += 8) {
+        for (int64_t i = 0; i < TN * k_dim; i += 8) {
           const fvec8 v = load8(wt + i);
           std::memcpy(wide.data() + i, &v, sizeof v);
         }
-        tile_rows<float, kTileN>(x, m_dim, wide.data(), k_dim, acc.data(), nullptr);
-      } else if (nr == kTileN) {
-        tile_rows<W, kTileN>(x, m_dim, wt, k_dim, acc.data(), next);
+        tile_rows<float, TN>(x, m_dim, wide.data(), k_dim, acc.data(), nullptr);
+      } else if (nr == TN) {
+        tile_rows<W, TN>(x, m_dim, wt, k_dim, acc.data(), next);
       } else {
         for (int64_t r = 0; r < nr; ++r)
           tile_rows<W, 1>(x, m_dim, wt + r * k_dim, k_dim, acc.data() + r * m_dim, nullptr);
@@ -167,12 +167,24 @@ void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < m_dim; ++m) {
           // Full tiles store [m, r]; the row-at-a-time tail stores [r, m].
-          const float v = nr == kTileN ? acc[m * kTileN + r] : acc[r * m_dim + m];
+          const float v = nr == TN ? acc[m * TN + r] : acc[r * m_dim + m];
           out[m * n_dim + n] = static_cast<O>(v * s + b);
         }
       }
     }
   });
+}
+
+template <typename W, typename O>
+void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
+         const float* scale, const float* bias, O* out) {
+  // One row of x: twice the weight rows per tile, so eight independent accumulators (and
+  // eight weight streams) hide the latency of each FMA chain.
+  if (m_dim == 1) {
+    run_tiles<2 * kTileN>(x, m_dim, k_dim, w, n_dim, scale, bias, out);
+  } else {
+    run_tiles<kTileN>(x, m_dim, k_dim, w, n_dim, scale, bias, out);
+  }
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
