@@ -98,7 +98,14 @@ def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
     torch.manual_seed(0)
     # Row counts across the tile sizes (3 rows per pass, 4 weight rows per tile), output
     # features with a partial tile, and an input width that is not a power of two.
-    for m, n, k in [(1, 48, 64), (2, 30, 40), (3, 16, 8), (7, 53, 136), (16, 64, 512)]:
+    for m, n, k in [
+        (1, 48, 64),
+        (1, 53, 136),
+        (2, 30, 40),
+        (3, 16, 8),
+        (7, 53, 136),
+        (16, 64, 512),
+    ]:
         x = torch.randn(m, k)
         w = torch.randn(n, k)
         bias = torch.randn(n)
