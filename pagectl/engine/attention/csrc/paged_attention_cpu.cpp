@@ -249,8 +249,10 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     const scalar_t* vn = v_cache + next;
     const int64_t head_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
     // Scores: each key row is loaded once for the G query heads of its KV head.
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      for (int64_t t = 0; t < n; ++t) {
+    // Token-major: a block's key rows are read in memory order (all heads of a token, then
+    // the next token).
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t h = 0; h < h1 - h0; ++h) {
         const scalar_t* kr = kb + t * token_stride + h * D;
         if (t < n_next) {
           prefetch_lines(kn + t * token_stride + h * D, head_bytes);
