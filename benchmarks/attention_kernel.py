@@ -1,10 +1,12 @@
 """The CPU paged decode kernel alone: time per cached key and query head.
 
-One decode row over a context of ``--context`` keys in consecutive blocks, for a few head
-layouts (KV heads, query heads, head_dim), on ``--threads`` threads; prints microseconds per
-call (median of 7 series) and nanoseconds per (key, query head).
+``--seqs`` decode rows (sequences) over a context of ``--context`` keys each, their blocks
+in a random order of the pool (as a serving pool scatters them), for a few head layouts (KV
+heads, query heads, head_dim), on ``--threads`` threads; prints microseconds per call
+(median of 7 series), nanoseconds per (key, query head) and the K/V bytes read per second.
 
     python benchmarks/attention_kernel.py --threads 1 --context 2000
+    python benchmarks/attention_kernel.py --threads 2 --seqs 32 --context 550
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
@@ -36,15 +39,20 @@ def main() -> None:
     if ops is None:
         raise SystemExit(f"the CPU kernel did not build: {cpu_build.failure_reason()}")
     dtype = getattr(torch, args.dtype)
-    bs, n = 16, args.context
-    print(f"threads {args.threads}, context {n}, {args.dtype}, load {os.getloadavg()}")
+    bs, n, seqs = 16, args.context, args.seqs
+    print(
+        f"threads {args.threads}, {seqs} sequences x {n} keys, {args.dtype}, load {os.getloadavg()}"
+    )
+    g = torch.Generator().manual_seed(0)
     for kvh, nh, d in LAYOUTS:
-        blocks = -(-n // bs) + 1
-        cache = torch.randn(2, blocks, bs, kvh, d).to(dtype)
-        tables = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-        q = torch.randn(1, nh, d).to(dtype)
+        per_seq = -(-n // bs)
+        blocks = seqs * per_seq + 1
+        cache = torch.randn(2, blocks, bs, kvh, d, generator=g).to(dtype)
+        order = torch.randperm(blocks - 1, generator=g).to(torch.int32)
+        tables = order[: seqs * per_seq].view(seqs, per_seq).contiguous()
+        q = torch.randn(seqs, nh, d, generator=g).to(dtype)
         out = torch.empty_like(q)
-        lens = torch.tensor([n], dtype=torch.int32)
+        lens = torch.full((seqs,), n, dtype=torch.int32)
         for _ in range(5):
             ops.paged_decode(q, cache, tables, lens, d**-0.5, out)
         series = []
@@ -54,9 +62,11 @@ def main() -> None:
                 ops.paged_decode(q, cache, tables, lens, d**-0.5, out)
             series.append((time.perf_counter() - t0) / args.calls * 1e6)
         us = statistics.median(series)
+        kv_bytes = 2 * seqs * n * kvh * d * cache.element_size()
         print(
             f"kv heads {kvh}, q heads {nh}, head_dim {d}: {us:.0f} us per call, "
-            f"{us * 1e3 / (n * nh):.1f} ns per key and query head"
+            f"{us * 1e3 / (seqs * n * nh):.1f} ns per key and query head, "
+            f"{kv_bytes / us / 1e3:.1f} GB/s of K/V"
         )
 
 
