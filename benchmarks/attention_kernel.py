@@ -4,6 +4,9 @@
 in a random order of the pool (as a serving pool scatters them), for a few head layouts (KV
 heads, query heads, head_dim), on ``--threads`` threads; prints microseconds per call
 (median of 7 series), nanoseconds per (key, query head) and the K/V bytes read per second.
+The same pool is read call after call: K/V smaller than the L3 (one sequence of 2000 keys
+is 4 MB) is read from cache, so only a batch larger than it (``--seqs 32 --context 550``:
+36 MB) measures memory reads.
 
     python benchmarks/attention_kernel.py --threads 1 --context 2000
     python benchmarks/attention_kernel.py --threads 2 --seqs 32 --context 550

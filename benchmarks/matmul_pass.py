@@ -4,9 +4,11 @@ Builds the projections of ``qwen3-33m`` or ``qwen3-0.6b`` (every layer's qkv, o,
 down, random weights; the LM head with ``--lm-head``) as the engine's own layers, stored as
 the engine stores them after loading (``pack_for_cpu``: float32 in oneDNN's packed layout,
 bfloat16 plain for the project's few-row kernel, load-time int8 and int4), and times
-``layer(x)`` over all of them for ``M`` rows of x: the matmul time of a step of M tokens
-with every weight read from memory, not from cache (the layers together are larger than the
-caches). Prints ms per pass (median of ``--rounds``) and the weight bytes read per second.
+``layer(x)`` over all of them for ``M`` rows of x: the matmul time of a step of M tokens.
+Prints ms per pass (median of ``--rounds``) and the weight bytes read per second. Whether
+those bytes come from memory depends on the shape: the 0.6B shape's layers (0.44-1.76 GB)
+are far larger than the caches; the 33.6M model's float32 layers (101 MB) are too, but its
+int8 and int4 ones (25 and 13 MB) fit a 32 MiB L3, so there the figure is partly the cache's.
 
     python benchmarks/matmul_pass.py --model-shape qwen3-33m --rows 1,4,16,64,256,512
     GOMP_SPINCOUNT=10000 python benchmarks/matmul_pass.py --rows 1,16

@@ -107,6 +107,11 @@ def _run_once(llm: LLM, prompts: list[list[int]], streams: int, k: int, max_toke
     }
 
 
+def _or_dash(value: object) -> object:
+    """A figure, or "-" where none was measured (nothing proposed)."""
+    return "-" if value is None else value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -168,8 +173,7 @@ def main() -> int:
                 ratio = r["tok_s"] / base["tok_s"]
                 print(
                     f"{name:8} {streams:7} {k:3} {r['tok_s']:8.1f} {ratio:7.2f} "
-                    f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-':>7} "
-                    f"{r['mean_accepted_length'] if r['mean_accepted_length'] is not None else '-':>8}",
+                    f"{_or_dash(r['acceptance_rate']):>7} {_or_dash(r['mean_accepted_length']):>8}",
                     flush=True,
                 )
                 report["runs"].append(
@@ -220,7 +224,8 @@ def _draft_model_runs(a, ks, common, workloads, bases, report) -> bool:
                 ratio = r["tok_s"] / base["tok_s"]
                 print(
                     f"{name:8} {streams:7} {k:3} {r['tok_s']:8.1f} {ratio:7.2f} "
-                    f"{r['acceptance_rate']:>7} {r['mean_accepted_length']:>8}   (draft model)",
+                    f"{_or_dash(r['acceptance_rate']):>7} "
+                    f"{_or_dash(r['mean_accepted_length']):>8}   (draft model)",
                     flush=True,
                 )
                 report["runs"].append(

@@ -225,16 +225,21 @@ def test_no_compiler(monkeypatch, tmp_path):
 
 def test_cache_key_follows_the_source(monkeypatch, tmp_path, fake_cxx):
     compiler = os.environ["CXX"]
-    key = cpu_build.build_key(compiler)
-    assert key == cpu_build.build_key(compiler)
-    for i, original in enumerate(cpu_build.SOURCES):  # each source is in the key
-        source = tmp_path / f"kernel{i}.cpp"
-        source.write_text(original.read_text() + "\n// changed\n")
-        changed = list(cpu_build.SOURCES)
-        changed[i] = source
-        monkeypatch.setattr(cpu_build, "SOURCES", tuple(changed))
-        assert cpu_build.build_key(compiler) != key
-    monkeypatch.setattr(cpu_build, "SOURCES", cpu_build.SOURCES)
+    assert cpu_build.build_key(compiler) == cpu_build.build_key(compiler)
+    sources, headers = cpu_build.SOURCES, cpu_build.HEADERS
+    # Copies at fixed paths: the key must follow each file's content, not only its path.
+    copies = [tmp_path / f.name for f in (*sources, *headers)]
+    for original, copy in zip((*sources, *headers), copies, strict=True):
+        copy.write_text(original.read_text())
+    monkeypatch.setattr(cpu_build, "SOURCES", tuple(copies[: len(sources)]))
+    monkeypatch.setattr(cpu_build, "HEADERS", tuple(copies[len(sources) :]))
+    for copy in copies:
+        before = cpu_build.build_key(compiler)
+        text = copy.read_text()
+        copy.write_text(text + "\n// changed\n")
+        assert cpu_build.build_key(compiler) != before, copy.name
+        copy.write_text(text)
+        assert cpu_build.build_key(compiler) == before
 
 
 def test_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog):

@@ -243,7 +243,15 @@ def test_constrained_requests_speculated(daemon):
     # lookup proposes tokens, which the grammar checks.
     import urllib.request
 
+    def drafts() -> float:
+        metrics = urllib.request.urlopen(daemon.base_url + "/metrics").read().decode()
+        found = re.search(
+            r"^pagectl:spec_decode_num_drafts_total(?:\{[^}]*\})? (\S+)$", metrics, re.M
+        )
+        return float(found.group(1)) if found else 0.0
+
     client = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0)
+    before = drafts()
     r = client.completions.create(
         model="tiny",
         prompt="ab ab ab ab",
@@ -252,6 +260,4 @@ def test_constrained_requests_speculated(daemon):
         extra_body={"guided_regex": r"(ab ){8,12}ab\."},
     )
     assert re.fullmatch(r"(ab ){8,12}ab\.", r.choices[0].text)
-    metrics = urllib.request.urlopen(daemon.base_url + "/metrics").read().decode()
-    drafts = re.search(r"^pagectl:spec_decode_num_drafts_total(?:\{[^}]*\})? (\S+)$", metrics, re.M)
-    assert drafts and float(drafts.group(1)) > 0
+    assert drafts() > before  # this request was speculated, not only earlier ones

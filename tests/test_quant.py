@@ -91,9 +91,9 @@ def test_int8_kernel_matches_its_dequantized_weight():
 
 
 def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
-    from pagectl.engine.quant.kernels import skinny_ops
+    from pagectl.engine.attention import cpu_build
 
-    ops = skinny_ops()
+    ops = cpu_build.load_cpu_ops()
     assert ops is not None, "the CPU kernels did not build"
     torch.manual_seed(0)
     # Row counts across the tile sizes (3 rows per pass, 4 weight rows per tile), output
@@ -309,9 +309,9 @@ def test_quantization_is_refused_off_cpu(float_models):
 
 
 def test_skinny_linear_takes_a_strided_input():
-    from pagectl.engine.quant.kernels import skinny_ops
+    from pagectl.engine.attention import cpu_build
 
-    ops = skinny_ops()
+    ops = cpu_build.load_cpu_ops()
     assert ops is not None
     x = torch.randn(6, 80)[:, 8:72]  # rows 80 apart
     w = torch.randn(24, 64)

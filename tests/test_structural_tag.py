@@ -108,6 +108,16 @@ def test_whitespace_bound_only_when_any_whitespace_is_disabled():
         ({"structures": [{"begin": "<a>", "end": 3}], "triggers": ["<"]}, "needs string"),
         ({"type": "structural_tag"}, "needs `structures`"),
         ("{", "not valid JSON"),
+        # Keys neither form takes are refused, not ignored.
+        ({"format": {"type": "const_string", "value": "a"}, "extra": 1}, 'take "extra"'),
+        (
+            {"structures": [{"begin": "<a>", "end": "</a>", "x": 1}], "triggers": ["<"]},
+            'structures[0] does not take "x"',
+        ),
+        (
+            {"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"], "format": {}},
+            'does not take "format"',
+        ),
     ],
 )
 def test_bad_tags_name_the_problem(bad, message):

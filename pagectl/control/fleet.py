@@ -12,6 +12,7 @@ backend on another host is listed as unreachable with the reason rather than att
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -81,14 +82,21 @@ def engine_endpoints(info: RuntimeInfo, engine: int | None) -> tuple[str, str]:
     raise RuntimeNotFound(f"the daemon at {info.http_url} has no engine {engine}")
 
 
+# A backends list larger than this is not a router's answer.
+_MAX_BACKENDS_BODY = 1 << 20
+
+
 def router_backends(url: str, timeout: float = 2.0) -> list[str] | None:
     """The backend URLs a ``pagectl route`` proxy at ``url`` lists, or None when ``url``
     does not answer as one."""
     base = url if "://" in url else "http://" + url
     try:
         with urllib.request.urlopen(base.rstrip("/") + BACKENDS_PATH, timeout=timeout) as r:
-            body = json.loads(r.read())
-    except (OSError, ValueError, urllib.error.URLError):
+            raw = r.read(_MAX_BACKENDS_BODY + 1)
+        if len(raw) > _MAX_BACKENDS_BODY:
+            return None
+        body = json.loads(raw)
+    except (OSError, ValueError, http.client.HTTPException):  # URLError is an OSError
         return None
     items = body.get("backends") if isinstance(body, dict) else None
     if not isinstance(items, list):

@@ -18,6 +18,7 @@ can hold, since block ids are the same everywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,9 +340,9 @@ def build_rank(
             )
         max_model_len = capacity
 
-    runner = ModelRunner(
-        model,
-        mcfg,
+    # The target's runner and the draft's share everything about the pool and the batch.
+    make_runner = functools.partial(
+        ModelRunner,
         device=device,
         dtype=dtype,
         kv_cache_dtype=kv_dtype,
@@ -350,27 +351,18 @@ def build_rank(
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager if enforce_eager is None else enforce_eager,
         seed=args.seed,
+    )
+    runner = make_runner(
+        model,
+        mcfg,
+        enforce_eager=args.enforce_eager if enforce_eager is None else enforce_eager,
         tp_rank=tp.rank,
         tp_driver=tp_driver,
     )
     if drafted is not None:
         check_draft_context(drafted, max_model_len)
-        draft_runner = ModelRunner(
-            drafted.model,
-            drafted.config,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_dtype,
-            block_size=args.block_size,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            attention_backend=args.attention_backend,
-            enforce_eager=True,
-            seed=args.seed,
-        )
+        draft_runner = make_runner(drafted.model, drafted.config, enforce_eager=True)
         runner.drafter = DraftModelProposer(draft_runner, mcfg.vocab_size, args.seed)
     sync.barrier("ready")
     return RankBuild(runner, dtype, pool_per_block, num_blocks, max_tokens, max_model_len, profile)

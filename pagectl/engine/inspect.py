@@ -32,16 +32,18 @@ _STATES = {
 }
 
 
-def clip(ids: list[int], limit: int) -> dict:
-    """``ids`` as ``{"token_ids", "gap_at", "gap"}``: all of them, or the first ``limit // 2``
-    and the last ``limit - limit // 2`` with ``gap`` ids left out before index ``gap_at``."""
-    n = len(ids)
+def clip(ids: list[int], limit: int, start: int = 0, end: int | None = None) -> dict:
+    """``ids[start:end]`` as ``{"token_ids", "gap_at", "gap"}``: all of them, or the first
+    ``limit // 2`` and the last ``limit - limit // 2`` with ``gap`` ids left out before index
+    ``gap_at``. Only the ids returned are copied (a long prompt is not)."""
+    stop = len(ids) if end is None else end
+    n = stop - start
     if n <= limit:
-        return {"token_ids": list(ids), "gap_at": n, "gap": 0}
+        return {"token_ids": ids[start:stop], "gap_at": n, "gap": 0}
     head = limit // 2
     tail = limit - head
     return {
-        "token_ids": ids[:head] + (ids[n - tail :] if tail else []),
+        "token_ids": ids[start : start + head] + (ids[stop - tail : stop] if tail else []),
         "gap_at": head,
         "gap": n - limit,
     }
@@ -78,7 +80,7 @@ def inspect_request(sched: Scheduler, cmd: InspectRequest) -> dict:
         "num_sequences": total,
         "beam_width": group.width if group is not None else 0,
         "num_prompt_tokens": first.num_prompt_tokens,
-        "prompt": clip(first.all_token_ids[: first.num_prompt_tokens], limit),
+        "prompt": clip(first.all_token_ids, limit, 0, first.num_prompt_tokens),
         "sequences": [
             {
                 "seq_id": r.seq_id,
@@ -91,7 +93,7 @@ def inspect_request(sched: Scheduler, cmd: InspectRequest) -> dict:
                 "num_preemptions": r.num_preemptions,
                 # A beam's cumulative logprob (None: not a beam).
                 "cum_logprob": group.cum.get(r.seq_id) if group is not None else None,
-                "output": clip(r.all_token_ids[r.num_prompt_tokens :], per_seq),
+                "output": clip(r.all_token_ids, per_seq, r.num_prompt_tokens),
             }
             for r in shown
         ],

@@ -127,6 +127,7 @@ class DecoderAttention(nn.Module):
         d = self.head_dim
         n_qk = self.num_heads + self.num_kv_heads
         # q and k heads side by side: normalised and rotated together.
+        qk = qkv[:, : n_qk * d].view(t, n_qk, d)
         if (
             self._ops is not None
             and cos.shape[-1] == d
@@ -139,9 +140,7 @@ class DecoderAttention(nn.Module):
             # In place on this step's qkv, one op for the norm and the rotation.
             w = self._qk_norm_weight if self.qk_norm else None
             self._ops.qk_norm_rope_(qkv, n_qk, d, w, self.eps, cos.view(t, d), sin.view(t, d))
-            qk = qkv[:, : n_qk * d].view(t, n_qk, d)
         else:
-            qk = qkv[:, : n_qk * d].view(t, n_qk, d)
             if self.qk_norm:
                 qk = self._norm_qk(qk)
             # Full-width tables (the whole head rotated) take the four-op form.

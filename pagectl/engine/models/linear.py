@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagectl.engine.attention import cpu_build
 from pagectl.engine.models.parallel import SINGLE, TPGroup, divide, kv_heads_per_rank
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
 from pagectl.engine.quant.checkpoint import SCALE_SPAN
@@ -47,7 +48,6 @@ from pagectl.engine.quant.kernels import (
     Int8Weight,
     QuantizedWeight,
     int4_group_for,
-    skinny_ops,
 )
 
 # From this many rows on, a bfloat16 or int8 weight is widened to float32 a slice at a time
@@ -184,7 +184,7 @@ class PackableLinear(nn.Module):
         packed = pack_cpu_weight(w)
         if packed is None:
             if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 8 == 0:
-                self._skinny = skinny_ops()
+                self._skinny = cpu_build.load_cpu_ops()
             return self._skinny is not None
         self._packed = packed
         self._free_weight()

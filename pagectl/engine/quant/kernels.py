@@ -24,23 +24,14 @@ fallback path, as it is.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from pagectl.engine.attention import cpu_build
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 # The int4 kernel's packing parameter (inner K tiles); 1 is valid for every group size.
 _INNER_K_TILES = 1
-
-
-def skinny_ops() -> Any | None:
-    """``torch.ops.pagectl_cpu`` when the project's CPU kernels load (built on first use),
-    else None."""
-    from pagectl.engine.attention import cpu_build
-
-    ops = cpu_build.load_cpu_ops()
-    return ops if ops is not None and hasattr(ops, "skinny_linear") else None
 
 
 class Int8Weight:
@@ -51,7 +42,8 @@ class Int8Weight:
         self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
         self.out_features = q.shape[0]
         # The project kernel (None: torch's), and the same scales in float32 for it.
-        self._ops = skinny_ops() if self.q.device.type == "cpu" and q.shape[1] % 8 == 0 else None
+        cpu = self.q.device.type == "cpu" and q.shape[1] % 8 == 0
+        self._ops = cpu_build.load_cpu_ops() if cpu else None
         self.scale_f32 = self.scale.float()
 
     @classmethod

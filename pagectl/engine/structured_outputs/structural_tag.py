@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagectl.engine.structured_outputs.params import canonical_json
+
 # Whitespace allowed in a row inside a JSON region when any whitespace is disabled and the
 # region does not set its own bound (xgrammar's smallest bound is 1).
 COMPACT_MAX_WHITESPACE = 1
@@ -39,6 +41,7 @@ def _legacy(tag: dict[str, Any]) -> dict[str, Any]:
     for i, s in enumerate(structures):
         if not isinstance(s, dict):
             raise ValueError(f"structural_tag.structures[{i}] must be an object")
+        _refuse_unknown(s, _STRUCTURE_KEYS, f"structural_tag.structures[{i}]")
         begin, end = s.get("begin"), s.get("end")
         if not isinstance(begin, str) or not begin or not isinstance(end, str):
             raise ValueError(
@@ -77,9 +80,23 @@ def _bound_whitespace(node: Any) -> None:
             _bound_whitespace(value)
 
 
+# The keys each form takes; any other is refused rather than ignored.
+_LEGACY_KEYS = frozenset({"type", "structures", "triggers"})
+_FORMAT_KEYS = frozenset({"type", "format"})
+_STRUCTURE_KEYS = frozenset({"begin", "schema", "end"})
+
+
+def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    extra = sorted(k for k in obj if k not in allowed)
+    if extra:
+        names = ", ".join(json.dumps(k)[:80] for k in extra[:5])
+        raise ValueError(f"{where} does not take {names}")
+
+
 def normalize(value: Any, disable_any_whitespace: bool) -> str:
     """The xgrammar structural tag (canonical JSON text) for a request's ``value`` (an object
     or its JSON text)."""
+    parsed = isinstance(value, str)
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -91,9 +108,13 @@ def normalize(value: Any, disable_any_whitespace: bool) -> str:
     if kind != "structural_tag":
         raise ValueError(f'structural_tag.type must be "structural_tag", got {json.dumps(kind)}')
     if "structures" in value or "triggers" in value:
+        _refuse_unknown(value, _LEGACY_KEYS, "structural_tag (with structures and triggers)")
         tag = _legacy(value)
     elif isinstance(value.get("format"), dict):
-        tag = {"type": "structural_tag", "format": json.loads(json.dumps(value["format"]))}
+        _refuse_unknown(value, _FORMAT_KEYS, "structural_tag (with a format)")
+        # Whitespace bounds are set in place: a caller's own object is copied first.
+        fmt = value["format"] if parsed else json.loads(json.dumps(value["format"]))
+        tag = {"type": "structural_tag", "format": fmt}
     else:
         raise ValueError(
             "structural_tag needs `structures` and `triggers` (vLLM's form) or a `format` "
@@ -101,4 +122,4 @@ def normalize(value: Any, disable_any_whitespace: bool) -> str:
         )
     if disable_any_whitespace:
         _bound_whitespace(tag["format"])
-    return json.dumps(tag, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(tag)

@@ -1,4 +1,5 @@
-// Vector math shared by the CPU kernels (paged_attention_cpu.cpp, decode_ops_cpu.cpp):
+// Vector math shared by the CPU kernels (paged_attention_cpu.cpp, decode_ops_cpu.cpp,
+// skinny_linear_cpu.cpp):
 // GCC/Clang vector extensions, any width.
 #pragma once
 
@@ -36,6 +37,18 @@ inline V exp_nonpositive(V x) {
   V two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
+}
+
+// bfloat16 bits (the top halves of float32s) widened to floats, any width: U16V and U32V are
+// the 16- and 32-bit unsigned vectors of V's width.
+template <typename V, typename U16V, typename U32V>
+inline V bf16_to_float(const void* p) {
+  U16V raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const U32V wide = __builtin_convertvector(raw, U32V) << 16;
+  V v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
 }
 
 }  // namespace pagectl_cpu

@@ -95,12 +95,7 @@ inline vecw loadw(const float* p) {
 }
 
 inline vecw loadw(const c10::BFloat16* p) {
-  u16vecw raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const u32vecw wide = __builtin_convertvector(raw, u32vecw) << 16;
-  vecw v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
+  return pagectl_cpu::bf16_to_float<vecw, u16vecw, u32vecw>(p);
 }
 
 inline vecw loadw(const c10::Half* p) {

@@ -38,6 +38,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec_math.h"
+
 namespace {
 
 typedef float fvec8 __attribute__((vector_size(8 * sizeof(float))));
@@ -60,12 +62,7 @@ inline fvec8 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<fvec8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
-  u16vec8 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32vec8 bits = __builtin_convertvector(h, u32vec8) << 16;
-  fvec8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+  return pagectl_cpu::bf16_to_float<fvec8, u16vec8, u32vec8>(p);
 #endif
 }
 
