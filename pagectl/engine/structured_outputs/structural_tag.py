@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagectl.engine.structured_outputs.params import canonical_json
-
 # Whitespace allowed in a row inside a JSON region when any whitespace is disabled and the
 # region does not set its own bound (xgrammar's smallest bound is 1).
 COMPACT_MAX_WHITESPACE = 1
@@ -122,4 +120,5 @@ def normalize(value: Any, disable_any_whitespace: bool) -> str:
         )
     if disable_any_whitespace:
         _bound_whitespace(tag["format"])
-    return canonical_json(tag)
+    # params.canonical_json's form (params imports this module: not imported back).
+    return json.dumps(tag, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
