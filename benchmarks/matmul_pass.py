@@ -2,8 +2,9 @@
 
 Builds the projections of ``qwen3-33m`` or ``qwen3-0.6b`` (every layer's qkv, o, gate/up and
 down, random weights; the LM head with ``--lm-head``) as the engine's own layers, stored as
-the engine stores them after loading (``pack_for_cpu``: float32 in oneDNN's packed layout,
-bfloat16 plain for the project's few-row kernel, load-time int8 and int4), and times
+the engine stores them after loading (``pack_for_cpu``: float32 and bfloat16 plain for the
+project's kernel, load-time int8 and int4; ``float32-onednn`` is float32 in oneDNN's packed
+layout, the path without the project's kernel, for comparison), and times
 ``layer(x)`` over all of them for ``M`` rows of x: the matmul time of a step of M tokens.
 Prints ms per pass (median of ``--rounds``) and the weight bytes read per second. Whether
 those bytes come from memory depends on the shape: the 0.6B shape's layers (0.44-1.76 GB)
@@ -35,7 +36,7 @@ SHAPES = {
     "qwen3-33m": (512, 8, 8, 4, 64, 1536, 16384),
     "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936),
 }
-FORMATS = ("float32", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "float32-onednn", "bfloat16", "int8", "int4")
 
 
 def layer_shapes(name: str, lm_head: bool) -> list[tuple[int, int]]:
@@ -55,7 +56,7 @@ def build(shapes: list[tuple[int, int]], fmt: str, seed: int) -> list[ColumnPara
             layer.quantize(fmt, 128)
         elif fmt == "bfloat16":
             layer.weight.data = layer.weight.data.bfloat16()
-        layer.pack_for_cpu()
+        layer.pack_for_cpu(own_kernel=fmt != "float32-onednn")
         layers.append(layer)
     return layers
 

@@ -96,24 +96,35 @@ def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
     ops = cpu_build.load_cpu_ops()
     assert ops is not None, "the CPU kernels did not build"
     torch.manual_seed(0)
-    # Row counts across the tile sizes (3 rows per pass, 4 weight rows per tile), output
-    # features with a partial tile, and an input width that is not a power of two.
+    # Few rows: row counts across the tile sizes (3 rows per pass, 4 weight rows per tile),
+    # output features with a partial tile, an input width that is not a power of two. From
+    # 16 rows (the blocked shape): whole and partial blocks of 16 and 8 rows, a partial tile
+    # of 6 weight rows, and inputs wide enough (at 100 and 127 rows) that x is taken in
+    # several chunks of features.
     for m, n, k in [
         (1, 48, 64),
         (1, 53, 136),
         (2, 30, 40),
         (3, 16, 8),
         (7, 53, 136),
+        (15, 53, 136),
         (16, 64, 512),
+        (17, 7, 64),
+        (24, 100, 520),
+        (33, 97, 136),
+        (100, 61, 1536),
+        (127, 13, 3072),
     ]:
         x = torch.randn(m, k)
         w = torch.randn(n, k)
+        # Sums of k products of unit normals: rounding grows with k (summation order).
+        atol = 2e-6 * max(k, 64)
         bias = torch.randn(n)
         want = x @ w.t() + bias
-        assert torch.allclose(ops.skinny_linear(x, w, None, bias), want, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(ops.skinny_linear(x, w, None, bias), want, rtol=1e-5, atol=atol)
         wb = w.bfloat16()
         want_b = x @ wb.float().t()
-        assert torch.allclose(ops.skinny_linear(x, wb, None, None), want_b, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(ops.skinny_linear(x, wb, None, None), want_b, rtol=1e-5, atol=atol)
         out_b = ops.skinny_linear(x.bfloat16(), wb, None, None)
         assert out_b.dtype == torch.bfloat16
         assert torch.allclose(
@@ -123,7 +134,7 @@ def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
         scale = torch.rand(n) / 100
         want_q = x @ (q.float() * scale[:, None]).t()
         got_q = ops.skinny_linear(x, q, scale, None)
-        assert torch.allclose(got_q, want_q, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(got_q, want_q, rtol=1e-5, atol=atol)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="needs its scale"):
         ops.skinny_linear(x, torch.zeros(4, 64, dtype=torch.int8), None, None)
@@ -306,6 +317,26 @@ def test_quantization_is_refused_off_cpu(float_models):
         resolve_quantization("int8", {}, "cuda")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="int3")
+
+
+def test_float32_layers_use_the_kernel_on_their_plain_weight():
+    from pagectl.engine.models import linear
+    from pagectl.engine.models.linear import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 200, bias=True)
+    w, b = torch.randn(200, 64), torch.randn(200)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    assert layer.pack_for_cpu()
+    assert layer._skinny is not None and layer._packed is None  # no packed copy
+    assert layer.weight.data_ptr() != 0 and layer.weight.shape == (200, 64)
+    # Every regime: few rows, blocks, and from DENSE_MIN_ROWS on torch's GEMM.
+    for m in (1, 3, 16, 40, linear.DENSE_MIN_ROWS + 5):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(layer(x), x @ w.t() + b, rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 5, 64)  # 3-D input keeps its leading dims
+    torch.testing.assert_close(layer(x), x @ w.t() + b, rtol=1e-5, atol=1e-4)
 
 
 def test_skinny_linear_takes_a_strided_input():

@@ -13,14 +13,15 @@ Every parameter carries ``weight_loader(param, loaded, shard_id)``, which copies
 part of a checkpoint tensor (or lazy slice) into it. Parameters are created uninitialised:
 the loader fills all of them.
 
-On CPU, ``pack_for_cpu()`` (called by the runner after loading) moves a float32 layer's
-weight into oneDNN's blocked layout and frees the plain copy: oneDNN's matmul beats the
-default BLAS path for the skinny and mid-size matmuls of a serving step (figures:
-docs/MODEL_EXECUTION.md). A bfloat16 weight is packed the same way where oneDNN takes it (a
-CPU with native bfloat16 instructions); elsewhere it stays in its plain layout and the
-project's kernel (``torch.ops.pagectl_cpu.skinny_linear``) multiplies by it, widening the
-weights to float32 in registers: BLAS's bfloat16 path on such CPUs is several times slower
-than float32, the kernel reads half float32's bytes (docs/PERFORMANCE.md, section 12).
+On CPU, ``pack_for_cpu()`` (called by the runner after loading) picks each layer's matmul.
+A float32 or bfloat16 weight stays in its plain [N, K] layout when the project's kernel
+(``torch.ops.pagectl_cpu.skinny_linear``) loads, and the kernel multiplies by it (bfloat16
+widened to float32 in registers) up to ``DENSE_MIN_ROWS`` rows: against oneDNN's packed
+float32 matmul it is faster at one row by 30-40% and level or ahead up to prefill sizes
+(figures: docs/PERFORMANCE.md, section 12). From ``DENSE_MIN_ROWS`` rows on, torch's GEMM
+takes over (a bfloat16 or int8 weight widened to float32 a slice at a time). Without the
+kernel, a float32 weight (and a bfloat16 one where oneDNN takes it: a CPU with native
+bfloat16 instructions) moves into oneDNN's blocked layout and the plain copy is freed.
 
 Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
 ``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
@@ -173,26 +174,37 @@ class PackableLinear(nn.Module):
         rows). Row-parallel layers override it."""
         return None
 
-    def pack_for_cpu(self) -> bool:
-        """Switch to the packed CPU path; frees the plain weight unless it is shared.
-        Returns whether it did (never for a quantized layer, which has its own kernel)."""
+    def pack_for_cpu(self, own_kernel: bool = True) -> bool:
+        """Switch to the CPU matmul path (module docstring); frees the plain weight when it
+        moves into oneDNN's layout, unless it is shared. Returns whether it switched (never
+        for a quantized layer, which has its own kernel). ``own_kernel=False`` takes
+        oneDNN's path wherever it packs the weight (benchmarks compare the two)."""
         if self._quantized is not None:
             return False
         if self._packed is not None or self._skinny is not None:
             return True
         w = self.weight.data
+        if w.device.type != "cpu":
+            return False
+        fits = w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] % 8 == 0
+        # float32: the kernel whenever it loads (it reads the same bytes as oneDNN, faster).
+        if own_kernel and fits and w.dtype == torch.float32:
+            self._skinny = cpu_build.load_cpu_ops()
+            if self._skinny is not None:
+                return True
         packed = pack_cpu_weight(w)
-        if packed is None:
-            if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 8 == 0:
-                self._skinny = cpu_build.load_cpu_ops()
-            return self._skinny is not None
-        self._packed = packed
-        self._free_weight()
-        return True
+        if packed is not None:
+            self._packed = packed
+            self._free_weight()
+            return True
+        # bfloat16 that oneDNN does not pack (no bfloat16 instructions): the kernel.
+        if fits and w.dtype == torch.bfloat16:
+            self._skinny = cpu_build.load_cpu_ops()
+        return self._skinny is not None
 
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x W^T + b`` by float32 GEMM over float32 slices of a bfloat16 or int8 weight, or
-        None when this layer's weight is neither."""
+        None when this layer's weight is neither (a plain float32 weight: straight to GEMM)."""
         q = self._quantized
         if isinstance(q, Int8Weight):
             n = q.out_features
@@ -200,6 +212,8 @@ class PackableLinear(nn.Module):
             def widen(a: int, b: int) -> torch.Tensor:
                 return q.q[a:b].float() * q.scale_f32[a:b, None]
         elif self._skinny is not None:
+            if self.weight.dtype == torch.float32:
+                return F.linear(x, self.weight, bias)
             n = self.weight.shape[0]
 
             def widen(a: int, b: int) -> torch.Tensor:

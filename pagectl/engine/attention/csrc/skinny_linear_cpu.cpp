@@ -1,19 +1,24 @@
-// y = x W^T (* scale) (+ bias) for a few rows of x: the matmuls of a decode step on CPU.
+// y = x W^T (* scale) (+ bias) for the rows of a decode step (up to a prefill's): the
+// project's CPU matmul over a plain [N, K] weight.
 //
 // Registered as torch.ops.pagectl_cpu.skinny_linear; built with the attention kernel by
 // pagectl/engine/attention/cpu_build.py, called by pagectl/engine/models/linear.py.
 //
-// A decode step multiplies one row per sequence by every weight of the model, so for a
-// few rows its time is the time to stream the weights from memory: the kernel reads each
-// weight once per call, in the checkpoint's own [N, K] layout (no packed copy), and keeps
-// the rows of x in cache. Weights may be float32, bfloat16 (widened to float32 in
-// registers: half the bytes of float32) or int8 with one float32 scale per output row
-// (a quarter). Arithmetic is float32 throughout, whatever the weight and x dtypes.
+// Weights stay in the checkpoint's own [N, K] layout (no packed copy) and may be float32,
+// bfloat16 (widened to float32 in registers: half the bytes of float32) or int8 with one
+// float32 scale per output row (a quarter). Arithmetic is float32 throughout, whatever the
+// weight and x dtypes. Vector code is GCC/Clang vector extensions on 8 floats (one AVX2
+// register, two SSE or NEON ones), with AVX2 intrinsics for loads the compiler would not
+// find by itself.
 //
-// Work: output features are split among torch's intra-op threads in tiles of kTileN rows;
-// a tile's weight rows are multiplied by up to kTileM rows of x at once (kTileN x kTileM
-// accumulators of 8 floats), the next rows of x reusing the tile from L1. Vector code is
-// GCC/Clang vector extensions on 8 floats (one AVX2 register, two SSE or NEON ones).
+// Two shapes of work, by the number of rows M of x:
+// - Few rows (M < kBcastMinRows): the time is the time to stream the weights from memory.
+//   Output features are split among torch's intra-op threads in tiles of kTileN rows; a
+//   tile's weight rows are multiplied by up to kTileM rows of x at once (dot products:
+//   kTileN x kTileM accumulators of 8 floats, summed across lanes at the end), the next
+//   tile prefetched as this one is read.
+// - More rows: the arithmetic bounds the time; see run_bcast (each weight element
+//   broadcast against a register of 8 rows of x, x re-laid once per call).
 //
 // Layouts (checked at the boundary):
 //   x      [M, K] float32 or bfloat16 (copied if not contiguous); K a multiple of 8
@@ -29,6 +34,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX2__)
@@ -172,12 +178,148 @@ void run_tiles(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t
   });
 }
 
+// From kBcastMinRows rows of x on, the arithmetic (not the weight stream) bounds the time,
+// and the kernel switches shape. x is copied once per call into blocks of 16 rows (8 for
+// the last block when M is not a multiple of 16), each block stored k-major ([K, 16]:
+// the 16 rows' k-th features side by side), zero-padded to a multiple of 8 rows. A tile
+// of kBcastN weight rows multiplies a block at a time: each weight element is broadcast
+// and multiplies one register of 8 rows of x, so the accumulators (kBcastN x 2 registers)
+// hold whole output columns and need no horizontal sums. The input features are taken in
+// chunks short enough that every block's chunk of x stays in L2 while a group of tiles
+// streams past it; partial sums wait in a small per-thread buffer between chunks.
+// Narrow weights (bf16, int8) are widened a tile chunk at a time, once for all blocks.
+constexpr int kBcastN = 6;      // weight rows per tile
+constexpr int kBlockM = 16;     // rows of x per block (two registers)
+constexpr int kGroupTiles = 8;  // tiles that share a chunk of x before the next chunk
+constexpr int64_t kBcastMinRows = 16;
+constexpr int64_t kChunkBytes = 192 * 1024;  // x's share of L2 per chunk
+
+inline void store8(float* p, fvec8 v) { std::memcpy(p, &v, sizeof v); }
+
+inline fvec8 broadcast8(const float* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<fvec8>(_mm256_broadcast_ss(p));
+#else
+  return fvec8{} + *p;
+#endif
+}
+
+// acc[r][v] (+)= sum over k < k_len of w[r * ldw + k] * xb[k * MV * 8 + 8 * v ..].
+template <int MV>
+inline void bcast_block(const float* __restrict xb, const float* __restrict w, int64_t ldw,
+                        int64_t k_len, bool first, float* __restrict acc_io) {
+  // Local accumulators: kept in registers (through a pointer the compiler would assume the
+  // loads may alias them).
+  fvec8 acc[kBcastN][MV] = {};
+  if (!first) {
+    for (int r = 0; r < kBcastN; ++r)
+      for (int v = 0; v < MV; ++v) acc[r][v] = load8(acc_io + (r * MV + v) * 8);
+  }
+  for (int64_t k = 0; k < k_len; ++k) {
+    fvec8 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = load8(xb + k * MV * 8 + 8 * v);
+    for (int r = 0; r < kBcastN; ++r) {
+      const fvec8 b = broadcast8(w + r * ldw + k);
+      for (int v = 0; v < MV; ++v) acc[r][v] += b * xv[v];
+    }
+  }
+  for (int r = 0; r < kBcastN; ++r)
+    for (int v = 0; v < MV; ++v) store8(acc_io + (r * MV + v) * 8, acc[r][v]);
+}
+
+template <typename W, typename O>
+void run_bcast(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
+               const float* scale, const float* bias, O* out) {
+  const int64_t mp = (m_dim + 7) / 8 * 8;
+  const int64_t blocks = (mp + kBlockM - 1) / kBlockM;
+  auto block_width = [&](int64_t b) { return std::min<int64_t>(kBlockM, mp - b * kBlockM); };
+  // Block b holds rows b*16.. as [K, width]; rows past M are zero.
+  std::vector<float> xb(static_cast<size_t>(mp * k_dim));
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m0 = b * kBlockM, wb = block_width(b);
+      float* dst = xb.data() + m0 * k_dim;
+      for (int64_t i = 0; i < wb; ++i) {
+        const int64_t m = m0 + i;
+        if (m < m_dim) {
+          const float* src = x + m * k_dim;
+          for (int64_t k = 0; k < k_dim; ++k) dst[k * wb + i] = src[k];
+        } else {
+          for (int64_t k = 0; k < k_dim; ++k) dst[k * wb + i] = 0.0f;
+        }
+      }
+    }
+  });
+  int64_t kc = kChunkBytes / static_cast<int64_t>(sizeof(float) * mp);
+  kc = std::min<int64_t>(k_dim, std::max<int64_t>(64, kc / 8 * 8));
+  const int64_t tiles = (n_dim + kBcastN - 1) / kBcastN;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    constexpr bool kNarrow = !std::is_same_v<W, float>;
+    std::vector<float> wide(static_cast<size_t>(kBcastN * kc), 0.0f);
+    // Partial sums of a group: [tile][block][kBcastN][16].
+    std::vector<float> part(static_cast<size_t>(kGroupTiles * blocks * kBcastN * kBlockM));
+    for (int64_t g0 = begin; g0 < end; g0 += kGroupTiles) {
+      const int64_t g1 = std::min<int64_t>(end, g0 + kGroupTiles);
+      for (int64_t k0 = 0; k0 < k_dim; k0 += kc) {
+        const int64_t k_len = std::min<int64_t>(kc, k_dim - k0);
+        const bool first = k0 == 0, last = k0 + k_len == k_dim;
+        for (int64_t t = g0; t < g1; ++t) {
+          const int64_t n0 = t * kBcastN;
+          const int64_t nr = std::min<int64_t>(kBcastN, n_dim - n0);
+          const float* wt;
+          int64_t ldw;
+          if (!kNarrow && nr == kBcastN) {
+            wt = reinterpret_cast<const float*>(w) + n0 * k_dim + k0;
+            ldw = k_dim;
+          } else {
+            for (int64_t r = 0; r < kBcastN; ++r) {
+              float* d = wide.data() + r * k_len;
+              if (r >= nr) {
+                std::fill(d, d + k_len, 0.0f);
+                continue;
+              }
+              const W* s = w + (n0 + r) * k_dim + k0;
+              for (int64_t i = 0; i < k_len; i += 8) {
+                const fvec8 v = load8(s + i);
+                std::memcpy(d + i, &v, sizeof v);
+              }
+            }
+            wt = wide.data();
+            ldw = k_len;
+          }
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t m0 = b * kBlockM, wb = block_width(b);
+            float* acc = part.data() + ((t - g0) * blocks + b) * kBcastN * kBlockM;
+            const float* xc = xb.data() + m0 * k_dim + k0 * wb;
+            if (wb == kBlockM) {
+              bcast_block<2>(xc, wt, ldw, k_len, first, acc);
+            } else {
+              bcast_block<1>(xc, wt, ldw, k_len, first, acc);
+            }
+            if (!last) continue;
+            const int mv = static_cast<int>(wb / 8);
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t n = n0 + r;
+              const float s = scale ? scale[n] : 1.0f;
+              const float bb = bias ? bias[n] : 0.0f;
+              for (int64_t i = 0; i < wb && m0 + i < m_dim; ++i)
+                out[(m0 + i) * n_dim + n] = static_cast<O>(acc[r * mv * 8 + i] * s + bb);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 template <typename W, typename O>
 void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim,
          const float* scale, const float* bias, O* out) {
   // One row of x: twice the weight rows per tile, so eight independent accumulators (and
   // eight weight streams) hide the latency of each FMA chain.
-  if (m_dim == 1) {
+  if (m_dim >= kBcastMinRows) {
+    run_bcast(x, m_dim, k_dim, w, n_dim, scale, bias, out);
+  } else if (m_dim == 1) {
     run_tiles<2 * kTileN>(x, m_dim, k_dim, w, n_dim, scale, bias, out);
   } else {
     run_tiles<kTileN>(x, m_dim, k_dim, w, n_dim, scale, bias, out);
