@@ -414,6 +414,62 @@ def test_forget_restarts_a_seeded_sequence(draw):
     assert sampler(logits, [req]).token_ids == first
 
 
+def _stream_states(sampler: Sampler) -> list[torch.Tensor]:
+    """The engine's generator state, then each seeded sequence's, in creation order."""
+    gens = [sampler.generator, *sampler._seq_generators.values()]
+    return [g.get_state() for g in gens]
+
+
+def test_drawing_some_rows_advances_every_stream_as_drawing_all(draw):
+    vocab = 400
+    gen = torch.Generator().manual_seed(14)
+    probs = torch.softmax(torch.randn(7, vocab, generator=gen) * 3, dim=-1)
+    a, b = make_req(request_id="a", seed=21), make_req(request_id="b", seed=22)
+    # Seeded rows of the same sequence next to each other and apart, unseeded rows between.
+    seqs = [a, make_req(), a, b, make_req(), a, b]
+    wanted = [1, 2, 5]
+    # The rows not drawn are never read: garbage there changes nothing.
+    junk = probs.clone()
+    junk[[0, 3, 4, 6]] = float("nan")
+    full, some = Sampler(vocab, seed=3, draw=draw), Sampler(vocab, seed=3, draw=draw)
+    for _ in range(3):
+        every = full.draw_from(probs, seqs)
+        assert some.draw_from(junk, seqs, rows_to_draw=wanted).tolist() == every[wanted].tolist()
+        # Every stream is where drawing all rows leaves it, so later draws agree too.
+        states = list(zip(_stream_states(full), _stream_states(some), strict=True))
+        assert len(states) == 3 and all(torch.equal(x, y) for x, y in states)
+    assert some.draw_from(probs, seqs, rows_to_draw=[]).tolist() == []
+    full.draw_from(probs, seqs)
+    assert all(torch.equal(x, y) for x, y in zip(_stream_states(full), _stream_states(some)))
+
+
+def test_greedy_tokens_are_the_samplers_greedy_choice():
+    vocab = 60
+    gen = torch.Generator().manual_seed(15)
+    logits = torch.randn(6, vocab + 4, generator=gen) * 2
+    logits[:, vocab:] = 50.0  # LM-head padding: never chosen
+    top = logits[:, :vocab].argmax(dim=-1).tolist()
+    seqs = [
+        make_req(temperature=0.0, logprobs=2),
+        make_req(temperature=0.0, logit_bias={7: 40.0}),
+        make_req(temperature=0.0, output=[top[2]], repetition_penalty=50.0, logprobs=0),
+        make_req(temperature=0.0, output=[top[3]] * 3, frequency_penalty=2.0, presence_penalty=2.0),
+        make_req(temperature=0.0, output=[1], eos=(top[4],), min_tokens=5),
+        make_req(temperature=0.0),
+    ]
+    sampler = Sampler(vocab)
+    state = sampler.generator.get_state()
+    tokens = sampler.greedy_tokens(logits, seqs).tolist()
+    assert tokens == sampler(logits, seqs).token_ids
+    # Every kind of processing moved its row off the raw argmax (so the test can fail).
+    assert [t != r for t, r in zip(tokens, top, strict=True)] == [False] + [True] * 4 + [False]
+    assert torch.equal(sampler.generator.get_state(), state)
+    # Without any processing: the raw argmax, in the logits' own dtype.
+    plain = [make_req(temperature=0.0, logprobs=1) for _ in range(6)]
+    half = logits.bfloat16()
+    assert sampler.greedy_tokens(half, plain).tolist() == sampler(half, plain).token_ids
+
+
 # -- logprobs ---------------------------------------------------------------------------------
 
 

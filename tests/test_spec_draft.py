@@ -301,3 +301,178 @@ def test_rejection_sampling_keeps_the_target_distribution():
     # The test can fail: emitting the proposals as they are gives q, far from p.
     as_drafted = torch.bincount(torch.tensor(drafts), minlength=4).double()
     assert float(((as_drafted[:3] - expected) ** 2 / expected).sum()) > 1000
+
+
+# -- unchanged output: the draws and proposals as first written -------------------------------
+
+
+def _rejection_sample_drawing_every_row(sampler, logits, rows, draft_rows, draft_tokens, q):
+    """``rejection_sample`` as first written: every row drawn from p, then the rows that check
+    a proposal overwritten. The reference whose tokens (and random streams) it must keep."""
+    from pagectl.engine.runner.sampler import SamplerResult
+
+    p = sampler.sampling_probs(logits, rows)
+    tokens = sampler.draw_from(p, rows)
+    if draft_rows:
+        index = torch.tensor(draft_rows)
+        d = torch.tensor(draft_tokens)
+        pr = p.index_select(0, index)
+        q = q.to(pr.dtype)
+        p_d = pr.gather(1, d[:, None])[:, 0].double()
+        q_d = q.gather(1, d[:, None])[:, 0].double()
+        checked = [rows[r] for r in draft_rows]
+        accept = sampler.uniform(checked) * q_d < p_d
+        residual = (pr - q).clamp_(min=0.0)
+        empty = residual.sum(dim=-1) <= 0
+        if bool(empty.any()):
+            residual[empty] = pr[empty]
+        tokens.index_copy_(0, index, torch.where(accept, d, sampler.draw_from(residual, checked)))
+    return SamplerResult(tokens.tolist(), sampler.logprobs_of(logits, tokens, rows))
+
+
+def _greedy_tokens_of_the_whole_sampler(self, logits, seqs):
+    """The draft's greedy proposals as first written: the whole sampler, logprobs included."""
+    return torch.tensor(self(logits, seqs).token_ids)
+
+
+def _stream_states(sampler) -> list[torch.Tensor]:
+    return [g.get_state() for g in (sampler.generator, *sampler._seq_generators.values())]
+
+
+@pytest.mark.parametrize("draw", ["race", "inverse_cdf"])
+def test_rejection_sampling_keeps_the_tokens_of_drawing_every_row(draw):
+    """Rows that check a proposal are no longer drawn from p first, yet seeded, unseeded and
+    greedy rows get the tokens, and leave the random streams, of drawing every row."""
+    from pagectl.engine.request import Request
+    from pagectl.engine.runner.sampler import Sampler
+    from pagectl.engine.spec_decode.rejection import rejection_sample
+
+    vocab = 300
+    gen = torch.Generator().manual_seed(4)
+    params = [
+        SamplingParams(temperature=0.9, seed=7),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=0.8, seed=8, top_p=0.9),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.0),
+    ]
+    reqs = [Request(f"s{i}", [1, 2], sp, max_model_len=64) for i, sp in enumerate(params)]
+    num_proposals = [0, 3, 2, 1, 2]
+    rows: list = []
+    draft_rows: list[int] = []
+    for req, k in zip(reqs, num_proposals, strict=True):
+        draft_rows.extend(range(len(rows), len(rows) + k))
+        rows.extend([req] * (k + 1))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 2
+    q = torch.softmax(torch.randn(len(draft_rows), vocab, generator=gen) * 2, dim=-1)
+    drafts = torch.multinomial(q, 1, generator=gen)[:, 0].tolist()
+    # The greedy sequence's proposals: one-hot q, the first its target's argmax, then not.
+    greedy = [t for t, r in enumerate(draft_rows) if rows[r] is reqs[4]]
+    drafts[greedy[0]] = int(logits[draft_rows[greedy[0]]].argmax())
+    drafts[greedy[1]] = int(logits[draft_rows[greedy[1]]].argmin())
+    for t in greedy:
+        q[t] = torch.nn.functional.one_hot(torch.tensor(drafts[t]), vocab).float()
+    ours, ref = Sampler(vocab, seed=5, draw=draw), Sampler(vocab, seed=5, draw=draw)
+    kept = 0
+    for _ in range(5):
+        got = rejection_sample(ours, logits, rows, draft_rows, drafts, q)
+        want = _rejection_sample_drawing_every_row(ref, logits, rows, draft_rows, drafts, q)
+        assert got.token_ids == want.token_ids
+        mine, theirs = _stream_states(ours), _stream_states(ref)
+        assert len(mine) == 3 and all(map(torch.equal, mine, theirs))
+        kept += sum(got.token_ids[r] == drafts[t] for t, r in enumerate(draft_rows))
+    # Both outcomes happened (rejected rows emit residual draws), and the draws vary.
+    assert 0 < kept < 5 * len(draft_rows)
+
+
+def _params(**kw) -> SamplingParams:
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(max_tokens=16, **kw)
+
+
+def _run_requests(built, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    core = built.core
+    for rid, (prompt, sp) in requests.items():
+        core.add_request(rid, prompt, sp)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    c = core.scheduler.counters
+    counts = (
+        c.spec_decode_num_drafts,
+        c.spec_decode_num_draft_tokens,
+        list(c.spec_decode_num_accepted_tokens_per_pos),
+    )
+    return {"tokens": tokens, "counts": counts}
+
+
+@pytest.mark.parametrize("draw", ["inverse_cdf", "race"])
+def test_seeded_sampling_with_a_draft_model_keeps_its_tokens(models, monkeypatch, draw):
+    """Seeded and unseeded sampled requests (beside greedy ones) give, token for token, what
+    the rejection sampling that drew every row gave (engine seed fixed)."""
+    from pagectl.engine.spec_decode import draft_model
+
+    path, draft, _ = models("qwen3")
+    requests = {
+        "seeded": (PROMPTS[0], _params(temperature=0.8, seed=3, n=2)),
+        "seeded_top_k": (PROMPTS[4], _params(temperature=1.0, seed=9, top_k=20)),
+        "unseeded": (PROMPTS[2], _params(temperature=0.7)),
+        "greedy": (PROMPTS[3], _params(temperature=0.0, logprobs=1)),
+    }
+
+    def run() -> dict:
+        built = _engine(path, draft, block_size=4, seed=5)
+        built.core.executor.sampler.draw = draw
+        built.core.executor.drafter.sampler.draw = draw
+        try:
+            return _run_requests(built, requests)
+        finally:
+            built.shutdown()
+
+    ours = run()
+    monkeypatch.setattr(draft_model, "rejection_sample", _rejection_sample_drawing_every_row)
+    assert run() == ours
+    _, num_draft_tokens, accepted = ours["counts"]
+    assert 0 < sum(accepted) < num_draft_tokens
+
+
+def test_greedy_drafts_with_processing_propose_the_samplers_choice(models, monkeypatch):
+    """Greedy drafts take the argmax without the whole sampler, but through the same logits
+    processing: penalties, logit_bias and min_tokens move the proposals (a raw argmax would
+    propose otherwise), and logprobs are asked for; proposals, acceptance and output are those
+    of the whole sampler, and the output is plain decoding's."""
+    from pagectl.engine.runner.sampler import Sampler
+
+    path, draft, _ = models("qwen3")
+    requests = {
+        "repetition": (PROMPTS[4], _params(temperature=0.0, repetition_penalty=1.5)),
+        "bias": (PROMPTS[3], _params(temperature=0.0, logit_bias={5: 4.0, 9: 3.5}, logprobs=2)),
+        "presence": (PROMPTS[1], _params(temperature=0.0, presence_penalty=1.5)),
+        "min_tokens": (PROMPTS[0], _params(temperature=0.0, min_tokens=12, ignore_eos=False)),
+        "plain": (PROMPTS[2], _params(temperature=0.0, logprobs=1)),
+    }
+
+    def run(spec: bool = True) -> dict:
+        if spec:
+            built = _engine(path, draft, block_size=4)
+        else:
+            built = build_engine(
+                EngineArgs(model=str(path), dtype="float32", block_size=4, num_kv_blocks=256)
+            )
+        try:
+            if spec:
+                # Only the proposer samples for the draft; the target keeps its own sampler.
+                assert built.core.executor.drafter.runner.sampler is None
+                assert built.core.executor.sampler.stream == 0
+            return _run_requests(built, requests)
+        finally:
+            built.shutdown()
+
+    ours = run()
+    assert ours["tokens"] == run(spec=False)["tokens"]
+    monkeypatch.setattr(Sampler, "greedy_tokens", _greedy_tokens_of_the_whole_sampler)
+    assert run() == ours
+    # The comparison can fail: proposals that skip the processing are accepted otherwise.
+    monkeypatch.setattr(Sampler, "greedy_tokens", lambda self, x, seqs: x.argmax(dim=-1))
+    assert run()["counts"] != ours["counts"]

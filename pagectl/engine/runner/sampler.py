@@ -214,10 +214,32 @@ class Sampler:
             probs.index_copy_(0, rows, self._truncated_probs(picked, plan))
         return probs
 
-    def draw_from(self, probs: torch.Tensor, seqs: Sequence[Request]) -> torch.Tensor:
+    def draw_from(
+        self,
+        probs: torch.Tensor,
+        seqs: Sequence[Request],
+        rows_to_draw: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """One token per row of the ``[rows, vocab]`` distribution ``probs`` (rows need not sum
-        to 1; each must have some positive mass), seeded rows from their own generator."""
-        return self._draw(probs, list(seqs))
+        to 1; each must have some positive mass), seeded rows from their own generator.
+
+        With ``rows_to_draw`` (indices into ``seqs``), tokens only for those rows,
+        in that order; the others' rows of ``probs`` are never read. The random numbers of
+        every row are generated all the same, so each stream (a seeded sequence's, the
+        engine's) ends where a draw of every row leaves it and later draws get the numbers
+        they would get without ``rows_to_draw``.
+        """
+        return self._draw(probs, list(seqs), rows_to_draw)
+
+    def greedy_tokens(self, logits: torch.Tensor, seqs: Sequence[Request]) -> torch.Tensor:
+        """The token a greedy row takes, for every row: the argmax of the processed logits
+        (``process_logits``), as ``__call__`` picks for greedy rows, without logprobs.
+        Consumes no randomness."""
+        x = logits[:, : self.vocab_size]
+        plan = _BatchPlan(seqs)
+        if not plan.needs_processing:
+            return x.argmax(dim=-1)
+        return self._process(x, seqs, plan, copy=False).argmax(dim=-1)
 
     def uniform(self, seqs: Sequence[Request]) -> torch.Tensor:
         """Float64 ``[rows]`` uniforms in [0, 1), seeded rows from their own generator."""
@@ -329,16 +351,27 @@ class Sampler:
         apply_min_p(scaled, plan.min_p)
         return torch.softmax(scaled, dim=-1)
 
-    def _draw(self, probs: torch.Tensor, seqs: list[Request]) -> torch.Tensor:
-        """One token per row of ``probs``; a zero-probability token is never drawn."""
+    def _draw(
+        self, probs: torch.Tensor, seqs: list[Request], rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """One token per row of ``probs`` (per row in ``rows`` when given, as ``draw_from``);
+        a zero-probability token is never drawn."""
+        # The noise of every row, drawn or not: skipping a row's would shift its stream.
+        index = None if rows is None else self._tensor(list(rows))
+        if index is not None:
+            probs = probs.index_select(0, index)
         if self.draw == "race":
             q = self._noise(seqs, probs.shape[1], torch.float32, torch.Tensor.exponential_)
+            if index is not None:
+                q = q.index_select(0, index)
             # E == 0 would turn a zero probability into NaN (0 / 0) and win the argmax.
             q.clamp_(min=torch.finfo(q.dtype).tiny)
             return (probs / q).argmax(dim=-1)
+        u = self._noise(seqs, 1, torch.float64, torch.Tensor.uniform_)
+        if index is not None:
+            u = u.index_select(0, index)
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         total = cdf[:, -1:]
-        u = self._noise(seqs, 1, torch.float64, torch.Tensor.uniform_)
         # target < total, so the first cdf entry above it belongs to a token of positive mass.
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True)[:, 0]

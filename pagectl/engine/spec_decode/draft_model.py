@@ -74,6 +74,9 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, vocab_size: int, seed: int) -> None:
         self.runner = runner
+        # The draft's runner only runs forwards (``run_arrays``): this proposer samples, over
+        # the target's vocabulary and its own stream. Its runner's sampler is never used.
+        runner.sampler = None
         self.vocab_size = vocab_size
         # Its own random streams: the target's verification draws must not repeat the
         # numbers the proposals were drawn with.
@@ -131,7 +134,10 @@ class DraftModelProposer:
             assert logits is not None
             rows: list[Any] = [SpecRow(so.seqs[i], list(drafts[i])) for i in picked]
             if greedy:
-                tokens = self.sampler(self._vocab(logits), rows).token_ids
+                # The sampler's greedy choice (the argmax of the processed logits, of the raw
+                # ones for rows that have no processing), without the logprobs the rows may
+                # ask for: a proposal's are never reported.
+                tokens = self.sampler.greedy_tokens(self._vocab(logits), rows).tolist()
             else:
                 q = self.sampler.sampling_probs(self._vocab(logits), rows)
                 tokens = self.sampler.draw_from(q, rows).tolist()

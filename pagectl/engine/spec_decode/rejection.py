@@ -37,10 +37,22 @@ def rejection_sample(
     ``draft_probs[t]`` (``[len(draft_rows), sampler.vocab_size]``).
     """
     p = sampler.sampling_probs(logits, rows)
-    tokens = sampler.draw_from(p, rows)
-    if draft_rows:
+    if not draft_rows:
+        tokens = sampler.draw_from(p, rows)
+    else:
         assert draft_probs is not None
         dev = p.device
+        checks = set(draft_rows)
+        fresh = [r for r in range(len(rows)) if r not in checks]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
+        # Only the rows without a proposal are drawn from p (a checking row's draw was never
+        # used), yet the random numbers of every row are still generated, in this order:
+        # draws from p, uniforms, residual draws. Generating fewer would shift every later
+        # number of a seeded sequence's stream (and the engine's): the same seed would give
+        # other tokens than it gave. What is saved is turning them into tokens (the float64
+        # cumulative sum of the inverse CDF; the race's division and argmax).
+        fresh_tokens = sampler.draw_from(p, rows, rows_to_draw=fresh)
+        tokens.index_copy_(0, torch.tensor(fresh, dtype=torch.long, device=dev), fresh_tokens)
         index = torch.tensor(draft_rows, dtype=torch.long, device=dev)
         d = torch.tensor(draft_tokens, dtype=torch.long, device=dev)
         pr = p.index_select(0, index)
