@@ -173,3 +173,194 @@ def test_auto_without_a_call_is_all_content():
     deltas, reason = stream_choice(out, text, "stop", 3)
     assert reason == "stop"
     assert "".join(d.get("content", "") for ds in deltas for d in ds) == text
+
+
+# -- any split gives the deltas that split dictates; the held text stays bounded ------------
+
+
+class Script:
+    """A scripted output of tool calls, with where each call's name ends and how its
+    arguments go out: ``("stream", start, end)`` (an object or array, sent as it grows) or
+    ``("whole", at, value)`` (a string, number or missing arguments: sent once ``at`` is
+    scanned)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[tuple[str, int, tuple]] = []
+
+    def add(self, text: str) -> Script:
+        self.text += text
+        return self
+
+    def call(self, name: str, args: str | None, *, args_first: bool = False) -> Script:
+        """A call object; ``args`` is the arguments' JSON text (None: no arguments)."""
+        name_member = f'"name": {json.dumps(name)}'
+        members = [name_member] if args is None else [name_member, '"arguments": ']
+        if args_first:
+            members.reverse()
+        at = len(self.text) + 1
+        spans = {}
+        for j, m in enumerate(members):
+            if j:
+                at += 2  # ", "
+            spans[m] = at
+            at += len(m)
+            if m == '"arguments": ':
+                spans["args"] = at
+                at += len(args or "")
+        name_end = spans[name_member] + len(name_member)
+        close = at  # the call's closing brace
+        self.text += "{" + ", ".join(m + (args if m.startswith('"arg') else "") for m in members)
+        self.text += "}"
+        assert self.text[close] == "}"
+        if args is None:
+            how: tuple = ("whole", close, "{}")
+        elif args[0] in "{[":
+            how = ("stream", spans["args"], spans["args"] + len(args))
+        else:  # a string or a scalar: sent when it ends (its quote, or the next , or })
+            end = spans["args"] + len(args)
+            value = json.loads(args)
+            how = ("whole", end - 1 if args[0] == '"' else end, value if args[0] == '"' else args)
+        self.calls.append((name, name_end, how))
+        return self
+
+
+def expected_deltas(script: Script, parts: list[str]) -> list[list[tuple]]:
+    """Per feed: ("open", index, name) and ("args", index, fragment) in order."""
+    out, before = [], 0
+    for p in parts:
+        end = before + len(p)
+        feed: list[tuple] = []
+        for k, (name, name_end, how) in enumerate(script.calls):
+            if name_end > end:
+                continue  # (its name is not complete: nothing for it yet)
+            opened_now = name_end > before
+            if opened_now:
+                feed.append(("open", k, name))
+            if how[0] == "stream":
+                lo, hi = how[1] if opened_now else max(how[1], before), min(how[2], end)
+                if hi > lo:
+                    feed.append(("args", k, script.text[lo:hi]))
+            elif how[1] < end and (opened_now or how[1] >= before):
+                feed.append(("args", k, how[2]))
+        out.append(feed)
+        before = end
+    return out
+
+
+def scripts() -> dict[str, tuple[Script, tuple[str, ...]]]:
+    nested = (
+        '{"code": "if (x) { return \\"}\\"; } // ]", "path": "a\\\\b{", '
+        '"opts": {"deep": [1, {"k": [true, null, "}]"]}], "empty": {}}}'
+    )
+    hermes = ("<tool_call>", "</tool_call>")
+    return {
+        "hermes": (
+            Script()
+            .add("<tool_call>\n")
+            .call("get_weather", '{"city": "Pa\\"ris", "unit": "C"}')
+            .add("\n</tool_call>\n<tool_call>\n")
+            .call("run", nested, args_first=True)
+            .add("\n</tool_call>\n<tool_call>")
+            .call("noop", None)
+            .add("</tool_call><tool_call>")
+            .call("search", '["a", {"q": "x]}"}]')
+            .add("</tool_call>"),
+            hermes,
+        ),
+        "mistral": (
+            Script()
+            .add("[TOOL_CALLS] [")
+            .call("f", nested)
+            .add(", ")
+            .call("g", '"{\\"q\\": 1, \\"r\\": \\"}\\"}"')
+            .add(", ")
+            .call("h", "-12.5e3", args_first=True)
+            .add("]"),
+            ("[TOOL_CALLS]",),
+        ),
+        "llama3_json": (
+            Script()
+            .add("<|python_tag|>")
+            .call("a", '{"x": [1, 2], "s": "\\u00e9\\n"}')
+            .add("; ")
+            .call("b", "true")
+            .add("; ")
+            .call("c", "{}"),
+            ("<|python_tag|>",),
+        ),
+    }
+
+
+def splits(text: str, seed: int) -> list[str]:
+    """The whole text, one character at a time, or random pieces (some empty)."""
+    if seed == 0:
+        return [text]
+    if seed == 1:
+        return list(text)
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        k = rng.randint(0, 12)
+        out.append(text[i : i + k])
+        i += k
+    return out
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json"])
+@pytest.mark.parametrize("seed", range(8))
+def test_scanner_deltas_are_the_ones_each_split_dictates(name, seed):
+    script, markers = scripts()[name]
+    parts = splits(script.text, seed)
+    sc = CallScanner(markers)
+    got = []
+    for p in parts:
+        feed = []
+        for d in sc.feed(p):
+            if "id" in d:
+                assert d["id"] == sc.calls[d["index"]].id
+                assert d["type"] == "function" and d["function"]["arguments"] == ""
+                feed.append(("open", d["index"], d["function"]["name"]))
+            else:
+                assert set(d) == {"index", "function"}
+                feed.append(("args", d["index"], d["function"]["arguments"]))
+        got.append(feed)
+    assert got == expected_deltas(script, parts)
+    # The fragments join to each call's arguments, as ``calls`` holds them.
+    joined = [
+        "".join(f for feed in got for kind, k, f in feed if kind == "args" and k == i)
+        for i in range(len(script.calls))
+    ]
+    assert [(c.name, c.arguments) for c in sc.calls] == [
+        (n, a) for (n, _, _), a in zip(script.calls, joined, strict=True)
+    ]
+
+
+def test_scanner_holds_a_bounded_text_over_many_calls():
+    one = (
+        Script()
+        .add("<tool_call>\n")
+        .call("write", '{"path": "a/b.txt", "text": "x{y}\\"z", "n": [1, 2]}')
+        .add("\n</tool_call>\n")
+        .text
+    )
+    sc = CallScanner(("<tool_call>", "</tool_call>"))
+    most = 0
+    for _ in range(2000):
+        for ch in one:
+            sc.feed(ch)
+        most = max(most, sc.retained_chars)
+    assert len(sc.calls) == 2000
+    assert sc.calls[-1].arguments == '{"path": "a/b.txt", "text": "x{y}\\"z", "n": [1, 2]}'
+    assert most < len(one)  # what one call needs, not what was generated
+
+
+def test_scanner_lets_go_of_a_long_argument_string_as_it_is_sent():
+    sc = CallScanner()
+    sc.feed('{"name": "w", "arguments": {"text": "')
+    for _ in range(5000):
+        for ch in "key: value, ":
+            sc.feed(ch)
+    assert sc.retained_chars < 20
+    sc.feed('"}}')
+    assert sc.calls[0].arguments == '{"text": "' + "key: value, " * 5000 + '"}'

@@ -12,17 +12,26 @@ its value, as a whole response does).
 Invariants: every character is scanned once (``feed`` costs the new text only); a call's
 opening delta precedes its fragments; nothing is sent for a call before its name is
 complete; a call whose arguments did not appear by its closing brace gets ``{}``.
+
+Held text: positions are absolute (characters since the first ``feed``), and of the scanned
+text the scanner keeps only what it may still read: from just after the last ``:`` (a
+number, true, false or null as the arguments is the text from there, whatever lies between)
+and from the start of a string the call reads (a key, its name, string arguments). The
+arguments are sent up to the scanned position at the end of each ``feed``, so their next
+fragment starts in the text fed after it.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagectl.server.tools.response import ToolCall, arguments_delta
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
+_SHORT_CHUNK = 256  # a held chunk shorter than this takes in the next scanned text
 
 
 @dataclass
@@ -35,8 +44,8 @@ class _Call:
     name: str | None = None
     call: ToolCall | None = None  # set once the opening delta went out
     index: int = -1  # the call's index in the choice's tool_calls
-    args_start: int = -1  # where the arguments' value starts in the text
-    args_sent: int = -1  # how far the arguments were sent (text index)
+    args_start: int = -1  # where the arguments' value starts (absolute position)
+    args_sent: int = -1  # how far the arguments were sent (absolute position)
     args_done: bool = False
     pending: list[str] = field(default_factory=list)  # fragments before the name was known
 
@@ -51,8 +60,13 @@ class CallScanner:
 
     def __init__(self, markers: tuple[str, ...] = ()) -> None:
         self.markers = markers
-        self.text = ""
-        self.pos = 0  # next character to scan
+        self.text = ""  # the text from ``base`` on: the unscanned rest, then new text
+        self.base = 0  # absolute position of ``text[0]`` (``pos`` between feeds)
+        # Scanned text before ``base`` still needed, oldest first, ending at ``base``.
+        self.held: deque[str] = deque()
+        self.held_chars = 0  # their total length
+        self.colon = -1  # absolute position of the last ":" before ``base``
+        self.pos = 0  # next character to scan (absolute position)
         self.depth = 0  # JSON nesting depth (objects and arrays)
         self.in_string = False
         self.escape = False
@@ -60,16 +74,18 @@ class CallScanner:
         self.last_string: str | None = None  # the last complete string at any depth
         self.top_array = False  # the current top-level value is an array
         self.current: _Call | None = None
-        self.calls: list[ToolCall] = []  # calls whose opening delta went out, in order
+        self._calls: list[ToolCall] = []  # calls whose opening delta went out, in order
+        # Fragments sent but not yet added to their call's ``arguments``, by call index.
+        self._unsynced: dict[int, list[str]] = {}
         self.scalar_start = -1  # an arguments value that is not an object or array
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Tool-call delta entries (each one ``delta.tool_calls`` element) for new text."""
-        self.text += text
+        self.text = t = self.text + text  # the unscanned rest is shorter than a marker
         out: list[dict[str, Any]] = []
-        t = self.text
+        b = self.base
         n = len(t)
-        i = self.pos
+        i = self.pos - b  # ``i`` indexes ``t``; the methods take absolute positions
         while i < n:
             ch = t[i]
             if self.in_string:
@@ -79,7 +95,7 @@ class CallScanner:
                     self.escape = True
                 elif ch == '"':
                     self.in_string = False
-                    self._string_end(i, out)
+                    self._string_end(b + i, out)
                 i += 1
                 continue
             if self.depth == 0:
@@ -91,27 +107,109 @@ class CallScanner:
                     continue
                 if ch in "{[":
                     self.top_array = ch == "["
-                    self._open(ch, i, out)
+                    self._open(ch, b + i, out)
                 i += 1
                 continue
             if ch == '"':
                 self.in_string = True
-                self.string_start = i
+                self.string_start = b + i
             elif ch in "{[":
-                self._open(ch, i, out)
+                self._open(ch, b + i, out)
             elif ch in "}]":
-                self._close(i, out)
+                self._close(b + i, out)
             elif ch == ",":
-                self._comma(i, out)
+                self._comma(b + i, out)
             i += 1
-        self.pos = i
+        self.pos = b + i
         self._flush_args(out)
+        if i:
+            self._hold(t, i)
         return out
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls whose opening delta went out, in order, with the arguments sent."""
+        for index, fragments in self._unsynced.items():
+            self._calls[index].arguments += "".join(fragments)
+        self._unsynced.clear()
+        return self._calls
+
+    @property
+    def retained_chars(self) -> int:
+        """How many characters of the text the scanner keeps."""
+        return self.held_chars + len(self.text)
+
+    # -- held text -------------------------------------------------------------------------
+
+    def _hold(self, t: str, cut: int) -> None:
+        """Move the scanned ``t[:cut]`` out of ``text``; let go of what is no longer needed."""
+        scanned = t if cut == len(t) else t[:cut]
+        start = self.base
+        self.base = base = start + cut  # == pos
+        self.text = t[cut:]
+        k = scanned.rfind(":")
+        if k >= 0:
+            self.colon = start + k
+        keep = self.colon + 1
+        if self.in_string and self._reads_string():
+            keep = min(keep, self.string_start)
+        held = self.held
+        if keep >= base:
+            if held:
+                held.clear()
+                self.held_chars = 0
+            return
+        if held and len(held[-1]) < _SHORT_CHUNK:
+            held[-1] += scanned  # (few long chunks, not one per feed: copies a short one)
+        else:
+            held.append(scanned)
+        chars = self.held_chars + cut
+        # Drop the chunks that end at or before ``keep``.
+        while base - chars + len(held[0]) <= keep:
+            chars -= len(held.popleft())
+        self.held_chars = chars
+
+    def _slice(self, start: int, end: int) -> str:
+        """The text from ``start`` to ``end`` (absolute positions, still held)."""
+        b = self.base
+        if start >= b:
+            return self.text[start - b : end - b]
+        assert start >= b - self.held_chars, "text no longer held"
+        parts = [self.text[: max(end - b, 0)]]
+        lo = b
+        for chunk in reversed(self.held):
+            hi, lo = lo, lo - len(chunk)
+            if lo < end:
+                parts.append(
+                    chunk[max(start - lo, 0) : end - lo] if start > lo or end < hi else chunk
+                )
+            if lo <= start:
+                break
+        return "".join(reversed(parts))
+
+    def _colon_before(self, i: int) -> int:
+        """Absolute position of the last ":" before ``i`` (-1: none)."""
+        k = self.text.rfind(":", 0, i - self.base)
+        return self.base + k if k >= 0 else self.colon
+
+    def _reads_string(self) -> bool:
+        """Whether the string being read is one the call reads: a key of the call, its name
+        or its arguments (``_string_end`` reads no other string's text)."""
+        cur = self.current
+        if cur is None or cur.depth != self.depth:
+            return False
+        if cur.key is None:
+            return True
+        if cur.value_read:
+            return False
+        if cur.key == "name":
+            return cur.name is None
+        return cur.key in _ARGUMENT_KEYS and cur.args_start < 0
 
     # -- structure -------------------------------------------------------------------------
 
     def _marker_at(self, i: int) -> int | None:
-        """Length of the marker at ``i`` (0: none; None: the text ends inside one)."""
+        """Length of the marker at ``text[i]`` (0: none; None: the text ends inside one)."""
         t = self.text
         left = len(t) - i
         for m in self.markers:
@@ -169,27 +267,28 @@ class CallScanner:
         cur = self.current
         if cur is None or cur.depth != self.depth:
             return  # a string inside a value: only the call's own members matter
+        if not self._reads_string():
+            cur.value_read = True  # another member's value (its text is not held)
+            return
+        raw = self._slice(self.string_start, i + 1)
         try:
-            value = json.loads(self.text[self.string_start : i + 1])
+            value = json.loads(raw)
         except json.JSONDecodeError:
             value = None
         if cur.key is None:
             cur.key = value if isinstance(value, str) else ""
             return
-        if cur.value_read:
-            return
         cur.value_read = True
-        if cur.key == "name" and cur.name is None and isinstance(value, str):
-            cur.name = value
-            self._open_call(cur, out)
-        elif cur.key in _ARGUMENT_KEYS and cur.args_start < 0:
+        if cur.key == "name":
+            if isinstance(value, str):
+                cur.name = value
+                self._open_call(cur, out)
+        else:
             # A string as the arguments (some models write the JSON text quoted): its value
             # is the arguments' text, as in a whole response.
             cur.args_start = self.string_start
             cur.args_sent = i + 1
-            cur.pending.append(
-                value if isinstance(value, str) else self.text[cur.args_start : i + 1]
-            )
+            cur.pending.append(value if isinstance(value, str) else raw)
             cur.args_done = True
             self._flush_call(cur, out)
 
@@ -198,10 +297,11 @@ class CallScanner:
         cur = self.current
         if cur is None or cur.key not in _ARGUMENT_KEYS or cur.args_start >= 0:
             return
-        j = self.text.rfind(":", 0, i) + 1
-        value = self.text[j:i].strip()
+        j = self._colon_before(i) + 1
+        raw = self._slice(j, i)
+        value = raw.strip()
         if value:
-            cur.args_start = j + (len(self.text[j:i]) - len(self.text[j:i].lstrip()))
+            cur.args_start = j + (len(raw) - len(raw.lstrip()))
             self._take(cur, cur.args_start + len(value), out)
             cur.args_done = True
 
@@ -211,16 +311,16 @@ class CallScanner:
         if cur.call is not None or cur.name is None:
             return
         cur.call = ToolCall(cur.name, "")
-        cur.index = len(self.calls)
+        cur.index = len(self._calls)
         out.append(cur.call.opening_delta(cur.index))
-        self.calls.append(cur.call)
+        self._calls.append(cur.call)
         self._flush_call(cur, out)
 
     def _take(self, cur: _Call, end: int, out: list) -> None:
         """The arguments' text from where it was sent up to ``end``."""
         start = max(cur.args_start, cur.args_sent)
         if end > start:
-            cur.pending.append(self.text[start:end])
+            cur.pending.append(self._slice(start, end))
             cur.args_sent = end
         self._flush_call(cur, out)
 
@@ -229,7 +329,12 @@ class CallScanner:
             return
         fragment = "".join(cur.pending)
         cur.pending.clear()
-        cur.call.arguments += fragment
+        # (Added to ``arguments`` when ``calls`` is read: adding each one copies them all.)
+        unsynced = self._unsynced.get(cur.index)
+        if unsynced is None:
+            self._unsynced[cur.index] = [fragment]
+        else:
+            unsynced.append(fragment)
         out.append(arguments_delta(cur.index, fragment))
 
     def _flush_args(self, out: list) -> None:
