@@ -362,7 +362,7 @@ def build_rank(
     )
     if drafted is not None:
         check_draft_context(drafted, max_model_len)
-        draft_runner = make_runner(drafted.model, drafted.config, enforce_eager=True)
+        draft_runner = make_runner(drafted.model, drafted.config, enforce_eager=True, samples=False)
         runner.drafter = DraftModelProposer(draft_runner, mcfg.vocab_size, args.seed)
     sync.barrier("ready")
     return RankBuild(runner, dtype, pool_per_block, num_blocks, max_tokens, max_model_len, profile)

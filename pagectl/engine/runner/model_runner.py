@@ -83,7 +83,10 @@ class ModelRunner:
         seed: int = 0,
         tp_rank: int = 0,
         tp_driver: Any = None,
+        samples: bool = True,
     ) -> None:
+        """``samples=False``: a runner that only runs forwards (a draft model's, whose
+        proposer samples by itself), so it builds no sampler."""
         self.model = model
         self.tp_rank = tp_rank
         # Rank 0 of a tensor-parallel group: broadcasts each step to the other ranks.
@@ -140,7 +143,9 @@ class ModelRunner:
         self.drafter: DraftModelProposer | None = None
         # Only rank 0 samples.
         self.sampler = (
-            Sampler(model_config.vocab_size, device=device, seed=seed) if tp_rank == 0 else None
+            Sampler(model_config.vocab_size, device=device, seed=seed)
+            if tp_rank == 0 and samples
+            else None
         )
         # seq_id -> leading prompt positions whose logprobs were already returned (so a
         # recompute after preemption does not report them twice).

@@ -74,9 +74,9 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, vocab_size: int, seed: int) -> None:
         self.runner = runner
-        # The draft's runner only runs forwards (``run_arrays``): this proposer samples, over
-        # the target's vocabulary and its own stream. Its runner's sampler is never used.
-        runner.sampler = None
+        # The draft's runner only runs forwards (``run_arrays``; built with
+        # ``samples=False``): this proposer samples, over the target's vocabulary and its
+        # own stream.
         self.vocab_size = vocab_size
         # Its own random streams: the target's verification draws must not repeat the
         # numbers the proposals were drawn with.
