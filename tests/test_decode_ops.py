@@ -4,7 +4,8 @@
 - ``RotaryEmbedding.cos_sin_full`` holds exactly ``[cos | cos]`` and ``[-sin | sin]`` of
   ``cos_sin``, for the cached tables and for dynamic NTK past the pre-trained length;
 - the fused CPU ops (add + RMSNorm, q/k norm + rotary, SiLU-and-mul) equal the torch path
-  within float rounding (bfloat16: within its rounding), and a loaded CPU model uses them.
+  within float rounding (bfloat16: within its rounding), and a loaded CPU model uses them
+  where they apply (float32 and bfloat16; the rotation only when it covers whole heads).
 
 (Greedy output against transformers on every architecture: tests/test_models.py.)
 """
@@ -34,19 +35,32 @@ def _rope(kind: str, **kw) -> RopeConfig:
     return RopeConfig(rope_type=kind, theta=10000.0, **kw)
 
 
-def test_full_tables_are_the_half_tables_side_by_side():
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_full_tables_are_the_half_tables_side_by_side(partial):
+    # The embedding caches one pair (full width when the whole head turns, else half width)
+    # and derives the other: both must hold the same values either way.
     positions = torch.tensor([0, 3, 17, 255])
+    width = int(32 * partial)
     for rope, lens in (
-        (_rope("default"), None),
-        (_rope("dynamic", factor=2.0), torch.tensor([300, 300, 600, 600])),
+        (_rope("default", partial_rotary_factor=partial), None),
+        (
+            _rope("dynamic", factor=2.0, partial_rotary_factor=partial),
+            torch.tensor([300, 300, 600, 600]),
+        ),
     ):
         emb = RotaryEmbedding(32, rope, 256)
         emb.ensure_cache(256)
         cos, sin = emb.cos_sin(positions, torch.float32, lens)
         cos_full, sin_full = emb.cos_sin_full(positions, torch.float32, lens)
-        assert cos_full.shape == (4, 1, 32)
+        assert cos.shape == (4, 1, width // 2) and cos_full.shape == (4, 1, width)
         assert torch.equal(cos_full, torch.cat([cos, cos], -1))
         assert torch.equal(sin_full, torch.cat([-sin, sin], -1))
+        # The fused op's rows: the same values, contiguous [T, width].
+        cos_rows, sin_rows = emb.cos_sin_full(positions, torch.float32, lens, head_axis=False)
+        assert cos_rows.shape == (4, width) and cos_rows.is_contiguous()
+        assert torch.equal(cos_rows, cos_full[:, 0]) and torch.equal(sin_rows, sin_full[:, 0])
+        cos_bf16, _ = emb.cos_sin(positions, torch.bfloat16, lens)
+        assert torch.equal(cos_bf16, cos.to(torch.bfloat16))
 
 
 # -- the fused CPU ops (attention/csrc/decode_ops_cpu.cpp) ----------------------------------
@@ -145,4 +159,41 @@ def test_a_loaded_cpu_model_uses_the_fused_ops(tmp_path):
     path = build_tiny_model(tmp_path / "m", "qwen3", with_tokenizer=False)
     model = build_engine(EngineArgs(model=str(path), num_kv_blocks=8)).core.executor.model
     fused = [m for m in model.modules() if isinstance(m, (RMSNorm, SiluAndMul, DecoderAttention))]
-    assert fused and all(m._ops is not None for m in fused)
+    assert fused and all(m.fused_op is not None for m in fused)
+    assert model._fused_rotary
+
+
+@pytest.mark.parametrize(
+    ("dtype", "partial", "norms", "rotary"),
+    [
+        (torch.float32, 1.0, True, True),
+        (torch.bfloat16, 1.0, True, True),
+        # The op rotates whole heads only: partial rotary keeps the torch rotation.
+        (torch.float32, 0.5, True, False),
+        # The ops compute float32 and bfloat16 only: float16 keeps the torch path throughout.
+        (torch.float16, 1.0, False, False),
+    ],
+)
+def test_the_fused_ops_are_chosen_by_dtype_and_rotary_width(
+    tmp_path, dtype, partial, norms, rotary
+):
+    from pagectl.engine.loader import load_model
+    from pagectl.engine.model_config import ModelConfig
+    from pagectl.engine.models.layers import RMSNorm, SiluAndMul
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(
+        tmp_path / "m",
+        "qwen3",
+        with_tokenizer=False,
+        config_overrides={"partial_rotary_factor": partial},
+    )
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.rope.partial_rotary_factor == partial
+    model = load_model(path, cfg, dtype, torch.device("cpu"))
+    _ops()
+    model.pack_for_cpu()
+    elementwise = [m for m in model.modules() if isinstance(m, (RMSNorm, SiluAndMul))]
+    assert elementwise and all((m.fused_op is not None) == norms for m in elementwise)
+    assert all((a.fused_op is not None) == rotary for a in model.attention_layers)
+    assert model._fused_rotary == rotary

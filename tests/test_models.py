@@ -93,9 +93,12 @@ def run_steps(model, prompts, steps, block_size=4, num_blocks=64):
     return {i: torch.cat(v) for i, v in logits.items()}
 
 
-def test_logits_match_transformers(model_dir):
+@pytest.mark.parametrize("packed", [False, True], ids=["torch", "packed"])
+def test_logits_match_transformers(model_dir, packed):
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"))
+    if packed:  # the CPU path: packed matmuls and the fused norm, rotary and SiLU ops
+        model.pack_for_cpu()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (11, 1, 23, 6)]
     # Step 1: fresh chunks and a 1-token prompt; step 2: the rest, so chunks with cached

@@ -23,7 +23,7 @@ from pagectl.engine.attention.backend import AttentionBackend
 from pagectl.engine.attention.metadata import AttentionMetadata
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagectl.engine.models.layers import RMSNorm, SiluAndMul
+from pagectl.engine.models.layers import FUSED_CPU_DTYPES, HasFusedCpuOp, RMSNorm, SiluAndMul
 from pagectl.engine.models.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -32,7 +32,12 @@ from pagectl.engine.models.linear import (
     RowParallelLinear,
 )
 from pagectl.engine.models.parallel import SINGLE, TPGroup
-from pagectl.engine.models.rotary import RotaryEmbedding, apply_rotary, apply_rotary_full
+from pagectl.engine.models.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_full,
+    rotary_dim,
+)
 from pagectl.engine.models.weights import default_weight_loader
 from pagectl.engine.quant.config import QuantConfig
 
@@ -53,7 +58,10 @@ FUSED_SHARDS: dict[str, set] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(HasFusedCpuOp, nn.Module):
+    # q/k norm (when the model has one) and the rotation in one op, in place on qkv.
+    fused_op_name = "qk_norm_rope_"
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -81,6 +89,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, o_bias, tp, dtype
         )
+        self.dtype = dtype
+        # Heads per rank in qkv's row: q | k | v.
+        self._qkv_heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         self.qk_norm = qk_norm
         self.eps = cfg.rms_norm_eps
         if qk_norm:
@@ -89,15 +100,18 @@ class DecoderAttention(nn.Module):
         # [num_heads + num_kv_heads, head_dim]: q_norm's weight per q head, k_norm's per k head.
         self._qk_norm_weight: torch.Tensor | None = None
         self.scale = d**-0.5
+        # The torch path's rotation: the four-op form when the whole head turns (the model
+        # then passes full-width tables, ``RotaryEmbedding.cos_sin_full``).
+        self.rotates_whole_head = rotary_dim(d, cfg.rope) == d
+        self._rotate = apply_rotary_full if self.rotates_whole_head else apply_rotary
         # Bound by the runner: this layer's [2, num_blocks, block_size, kv_heads, head_dim]
         # cache and the backend that reads and writes it.
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
-        # The project's fused CPU ops (set by use_cpu_ops): q/k norm and rotary in one op.
-        self._ops: Any = None
 
-    def use_cpu_ops(self, ops: Any) -> None:
-        self._ops = ops
+    def fits_fused_op(self) -> bool:
+        # The op rotates whole heads, by [T, head_dim] tables in the activations' dtype.
+        return self.rotates_whole_head and self.dtype in FUSED_CPU_DTYPES
 
     def process_weights_after_loading(self) -> None:
         if self.qk_norm:
@@ -122,33 +136,23 @@ class DecoderAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """``cos``/``sin``: [T, head_dim] with the fused op, else [T, 1, width] (the model's
+        forward picks the layout)."""
         qkv = self.qkv_proj(hidden)
         t = qkv.shape[0]
         d = self.head_dim
-        n_qk = self.num_heads + self.num_kv_heads
-        # q and k heads side by side: normalised and rotated together.
-        qk = qkv[:, : n_qk * d].view(t, n_qk, d)
-        if (
-            self._ops is not None
-            and cos.shape[-1] == d
-            and qkv.dim() == 2
-            and qkv.stride(1) == 1
-            and cos.dtype == qkv.dtype
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-        ):
-            # In place on this step's qkv, one op for the norm and the rotation.
-            w = self._qk_norm_weight if self.qk_norm else None
-            self._ops.qk_norm_rope_(qkv, n_qk, d, w, self.eps, cos.view(t, d), sin.view(t, d))
+        n_q, n_kv, _ = self._qkv_heads
+        heads = qkv.view(t, n_q + 2 * n_kv, d)
+        if self.fused_op is not None:
+            # In place on this step's qkv: the q and k heads normalised and rotated.
+            self.fused_op(qkv, n_q + n_kv, d, self._qk_norm_weight, self.eps, cos, sin)
+            q, k, v = heads.split(self._qkv_heads, 1)
         else:
+            # q and k heads side by side: normalised and rotated together.
+            qk, v = heads.split((n_q + n_kv, n_kv), 1)
             if self.qk_norm:
                 qk = self._norm_qk(qk)
-            # Full-width tables (the whole head rotated) take the four-op form.
-            full = cos.shape[-1] == d
-            qk = apply_rotary_full(qk, cos, sin) if full else apply_rotary(qk, cos, sin)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads :]
-        v = qkv[:, n_qk * d :].view(t, self.num_kv_heads, d)
+            q, k = self._rotate(qk, cos, sin).split((n_q, n_kv), 1)
         assert self.backend is not None and self.kv_cache is not None, "KV cache not bound"
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(t, self.num_heads * d))
@@ -163,7 +167,7 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [inter, inter], bias, tp, dtype
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,6 +241,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        # Whether the attention layers rotate with the fused CPU op (set by pack_for_cpu):
+        # the forward then passes them [T, head_dim] tables.
+        self._fused_rotary = False
 
     @property
     def attention_layers(self) -> list[DecoderAttention]:
@@ -276,7 +283,8 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``), and switch
-        the norms, SiLU and q/k rotation to the project's fused CPU ops when they load.
+        the norms, SiLU and q/k rotation to the project's fused CPU ops when they load and
+        apply (float32 and bfloat16; the rotation when it covers whole heads).
 
         Returns how many layers were packed. Weights cannot be reloaded afterwards.
         """
@@ -288,9 +296,10 @@ class DecoderForCausalLM(nn.Module):
         ops = cpu_build.load_cpu_ops()
         if ops is not None:
             for m in self.modules():
-                use = getattr(m, "use_cpu_ops", None)
-                if use is not None:
-                    use(ops)
+                if isinstance(m, HasFusedCpuOp):
+                    m.use_cpu_ops(ops)
+        # The layers are built alike: all of them fuse the rotation or none does.
+        self._fused_rotary = any(a.fused_op is not None for a in self.attention_layers)
         return packed
 
     def forward(
@@ -298,8 +307,13 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for the packed rows of one step."""
         rot = self.rotary_emb
-        tables = rot.cos_sin_full if rot.rotary_dim == rot.head_dim else rot.cos_sin
-        cos, sin = tables(positions, self.dtype, meta.token_seq_lens)
+        lens = meta.token_seq_lens
+        if self._fused_rotary:
+            cos, sin = rot.cos_sin_full(positions, self.dtype, lens, head_axis=False)
+        elif rot.rotates_whole_head:
+            cos, sin = rot.cos_sin_full(positions, self.dtype, lens)
+        else:
+            cos, sin = rot.cos_sin(positions, self.dtype, lens)
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:

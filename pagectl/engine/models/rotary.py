@@ -5,7 +5,10 @@ Types: default, linear, dynamic (NTK), yarn and llama3, computed as transformers
 is the "rotate half" (GPT-NeoX) layout: the first and second halves of the rotated dims pair up.
 
 cos/sin for positions [0, n) are cached and grown on demand; ``cos_sin`` (or, when the whole
-head is rotated, ``cos_sin_full``) is called once per forward and shared by every layer. Dynamic NTK rescales by sequence length: a token is rotated
+head is rotated, ``cos_sin_full``) is called once per forward and shared by every layer. Only
+the table pair that layout reads is built: full width (``[cos | cos]``, ``[-sin | sin]``) when
+the whole head is rotated, half width otherwise; the other method still answers, from views or
+a concatenation of that pair. Dynamic NTK rescales by sequence length: a token is rotated
 with the frequencies for the length of its sequence at the end of the step that computes it
 (transformers' rule for one sequence: the longest position in the forward decides), so within
 the pre-trained length it equals the default rotation.
@@ -19,6 +22,11 @@ import torch
 from torch import nn
 
 from pagectl.engine.model_config import RopeConfig
+
+
+def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
+    """How many leading dims of each head are rotated (the rest pass through)."""
+    return int(head_dim * rope.partial_rotary_factor)
 
 
 def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -97,23 +105,32 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tens
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``to`` is an op even when it returns ``t`` itself: skipped for float32 models.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position (rotation itself: ``apply_rotary``)."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.rotary_dim = rotary_dim(head_dim, rope)
+        # Whether every dim of a head is rotated: the model then reads ``cos_sin_full``.
+        self.rotates_whole_head = self.rotary_dim == head_dim
         self.rope = rope
         self.max_position_embeddings = max_position_embeddings
         inv_freq, self.attention_scaling = compute_inv_freq(
             rope, self.rotary_dim, max_position_embeddings
         )
         self.inv_freq = inv_freq
-        self._cos = torch.empty(0, self.rotary_dim // 2)
-        self._sin = torch.empty(0, self.rotary_dim // 2)
-        self._cos_full = torch.empty(0, self.rotary_dim)
-        self._sin_signed = torch.empty(0, self.rotary_dim)
+        # The one cached pair, float32 [positions, width]: full width ([cos | cos] and
+        # [-sin | sin], width rotary_dim) when rotates_whole_head, else half width (cos and
+        # sin, width rotary_dim / 2).
+        width = self.rotary_dim if self.rotates_whole_head else self.rotary_dim // 2
+        self._cos = torch.empty(0, width)
+        self._sin = torch.empty(0, width)
 
     @property
     def is_dynamic(self) -> bool:
@@ -126,11 +143,11 @@ class RotaryEmbedding(nn.Module):
             return
         n = max(num_positions, self._cos.shape[0])
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        self._cos = (freqs.cos() * self.attention_scaling).to(device)
-        self._sin = (freqs.sin() * self.attention_scaling).to(device)
-        # Full-width tables for apply_rotary_full: [cos | cos] and [-sin | sin].
-        self._cos_full = torch.cat([self._cos, self._cos], dim=-1)
-        self._sin_signed = torch.cat([-self._sin, self._sin], dim=-1)
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        if self.rotates_whole_head:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        self._cos, self._sin = cos.to(device), sin.to(device)
 
     def cos_sin(
         self,
@@ -145,26 +162,37 @@ class RotaryEmbedding(nn.Module):
         """
         if token_seq_lens is not None and self.is_dynamic:
             cos, sin = self._dynamic_cos_sin(positions, token_seq_lens)
+        elif self.rotates_whole_head:
+            # The halves of the full-width tables: [cos | cos] and [-sin | sin].
+            half = self.rotary_dim // 2
+            cos = self._cos[:, :half].index_select(0, positions)
+            sin = self._sin[:, half:].index_select(0, positions)
         else:
             cos = self._cos.index_select(0, positions)
             sin = self._sin.index_select(0, positions)
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        return _cast(cos, dtype).unsqueeze(1), _cast(sin, dtype).unsqueeze(1)
 
     def cos_sin_full(
         self,
         positions: torch.Tensor,
         dtype: torch.dtype,
         token_seq_lens: torch.Tensor | None = None,
+        *,
+        head_axis: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[cos | cos]`` and ``[-sin | sin]`` for each token, shaped [T, 1, rotary_dim], in
-        ``dtype``: the operands of ``apply_rotary_full`` (same arguments as ``cos_sin``)."""
+        ``dtype``: the operands of ``apply_rotary_full`` (same arguments as ``cos_sin``).
+        Without ``head_axis``: contiguous [T, rotary_dim], the fused CPU op's operands."""
         if token_seq_lens is not None and self.is_dynamic:
             cos, sin = self._dynamic_cos_sin(positions, token_seq_lens)
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
         else:
-            cos = self._cos_full.index_select(0, positions)
-            sin = self._sin_signed.index_select(0, positions)
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+            cos = self._cos.index_select(0, positions)
+            sin = self._sin.index_select(0, positions)
+            if not self.rotates_whole_head:  # half-width tables
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        cos, sin = _cast(cos, dtype), _cast(sin, dtype)
+        return (cos.unsqueeze(1), sin.unsqueeze(1)) if head_axis else (cos, sin)
 
     def _dynamic_cos_sin(
         self, positions: torch.Tensor, token_seq_lens: torch.Tensor
