@@ -16,7 +16,6 @@ import pytest
 
 from pagectl.control.client import AdminClient, AdminError, TelemetrySubscriber, find_runtime
 from pagectl.engine.commands import GetStatus
-from pagectl.testing.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
@@ -26,25 +25,17 @@ LONG_PROMPT = "A request is admitted when the scheduler finds free blocks for it
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, tiny_qwen3):
-    d = DaemonProcess(
-        tmp_path_factory.mktemp("rt"),
+def daemon(tiny_daemon):
+    return tiny_daemon(
         [
-            "--model",
-            str(tiny_qwen3),
-            "--served-model-name",
-            "tiny",
             "--num-kv-blocks",
             "128",
             "--max-num-batched-tokens",
             "256",
             "--max-num-seqs",
             "32",
-        ],
+        ]
     )
-    d.start()
-    yield d
-    d.kill()
 
 
 @pytest.fixture(scope="module")

@@ -10,33 +10,23 @@ import aiohttp
 import openai
 import pytest
 
-from pagectl.testing.daemon_process import DaemonProcess
-
 pytestmark = pytest.mark.slow
 
 NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, tiny_qwen3):
-    d = DaemonProcess(
-        tmp_path_factory.mktemp("rt"),
+def daemon(tiny_daemon):
+    return tiny_daemon(
         [
-            "--model",
-            str(tiny_qwen3),
-            "--served-model-name",
-            "tiny",
             "--num-kv-blocks",
             "256",
             "--max-num-seqs",
             "64",
             "--dtype",
             "float32",
-        ],
+        ]
     )
-    d.start()
-    yield d
-    d.kill()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from metrics_text import metric_values
 
 from pagectl.server.state import ServerSettings
 from pagectl.testing.in_process import InProcessEngine
@@ -391,11 +392,7 @@ async def test_metrics_names_and_values(make_client):
     await client.post("/v1/completions", json={"prompt": list(range(100, 140)), "max_tokens": 3})
     await client.post("/v1/completions", json={"prompt": list(range(100, 140)), "max_tokens": 3})
     text = await (await client.get("/metrics")).text()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+    values = metric_values(text)
     e0 = '{engine="0"}'  # every per-engine series carries the engine label, as vLLM's
     assert values["pagectl:num_requests_running" + e0] == 0
     assert values["pagectl:num_requests_waiting" + e0] == 0

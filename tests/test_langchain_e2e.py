@@ -66,23 +66,9 @@ def _no_tiktoken(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, tiny_qwen3):
-    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    d = DaemonProcess(
-        tmp_path_factory.mktemp("rt"),
+def daemon(structured_daemon):
+    return structured_daemon(
         [
-            str(tiny_qwen3),
-            "--chat-template",
-            str(template),
-            "--served-model-name",
-            "tiny",
-            "--num-kv-blocks",
-            "256",
-            "--dtype",
-            "float32",
-            "--structured-outputs-config",
-            '{"backend": "xgrammar", "disable_any_whitespace": true}',
             "--reasoning-parser",
             "qwen3",
             # Constrained sequences speculate too: every test here runs through it.
@@ -91,10 +77,9 @@ def daemon(tmp_path_factory, tiny_qwen3):
             "--api-key",
             KEY,
         ],
+        chat_template=TEMPLATE,
+        positional_model=True,
     )
-    d.start()
-    yield d
-    d.kill()
 
 
 def chat(daemon: DaemonProcess, **kw):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import CHUNK7_BS4, DEFAULT, NO_PREFIX_CACHE, build_tiny_engine, preempt_bs4
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.runner import kv_cache
 from pagectl.engine.sampling_params import SamplingParams
 
@@ -43,31 +43,23 @@ def models(tmp_path_factory):
 
 
 CONFIGS = {
-    "default": dict(block_size=16),
-    "no_prefix_cache": dict(block_size=16, enable_prefix_caching=False),
-    "chunk7_bs4": dict(block_size=4, max_num_batched_tokens=7),
+    "default": DEFAULT,
+    "no_prefix_cache": NO_PREFIX_CACHE,
+    "chunk7_bs4": CHUNK7_BS4,
     "chunk13_bs32": dict(block_size=32, max_num_batched_tokens=13),
-    "chunk64_bs16_noprefix": dict(
-        block_size=16, max_num_batched_tokens=64, enable_prefix_caching=False
-    ),
+    "chunk64_bs16_noprefix": dict(NO_PREFIX_CACHE, max_num_batched_tokens=64),
     # The longest request needs 19 blocks of 4; 22 blocks force preemptions.
-    "preempt_bs4": dict(block_size=4, num_kv_blocks=22, max_num_batched_tokens=64),
+    "preempt_bs4": preempt_bs4(22),
 }
 CASES = [(m, c) for m in ("qwen3", "llama_gqa") for c in CONFIGS] + [
     (m, c) for m in ("qwen2", "llama") for c in ("default", "chunk13_bs32", "preempt_bs4")
 ]
 
 
-def _engine(path, **kw):
-    kw.setdefault("num_kv_blocks", 256)
-    kw.setdefault("dtype", "float32")
-    return build_engine(EngineArgs(model=str(path), **kw))
-
-
 @pytest.mark.parametrize("model_name,config", CASES)
 def test_greedy_matches_transformers(models, model_name, config):
     path, reference = models(model_name)
-    built = _engine(path, **CONFIGS[config])
+    built = build_tiny_engine(path, **CONFIGS[config])
     out = engine_greedy(built.core, PROMPTS, MAX_NEW)
     for i, (ours, ref) in enumerate(zip(out["tokens"], reference, strict=True)):
         assert ours == ref, f"prompt {i} (length {len(PROMPTS[i])})"
@@ -82,7 +74,7 @@ def test_greedy_matches_transformers(models, model_name, config):
 
 def test_cache_hit_rerun_reports_exact_cached_tokens(models):
     path, reference = models("qwen3")
-    built = _engine(path, block_size=4)
+    built = build_tiny_engine(path, block_size=4)
     first = engine_greedy(built.core, PROMPTS, MAX_NEW, prefix="a")
     # One step admits every prompt: nothing is cached yet.
     assert first["num_cached_tokens"] == [0] * len(PROMPTS)
@@ -96,7 +88,7 @@ def test_cache_hit_rerun_reports_exact_cached_tokens(models):
 
 def test_parallel_samples_share_blocks_and_copy_on_write(models):
     path, reference = models("qwen3")
-    built = _engine(path, block_size=4)
+    built = build_tiny_engine(path, block_size=4)
     runner = built.core.executor
     copies: list[tuple[int, int]] = []
     apply = runner.kv.copy_blocks
@@ -117,7 +109,7 @@ def test_prompt_logprobs_match_transformers(models):
     from transformers import AutoModelForCausalLM
 
     path, _ = models("qwen2")
-    built = _engine(path, block_size=4, max_num_batched_tokens=7)
+    built = build_tiny_engine(path, block_size=4, max_num_batched_tokens=7)
     prompt = PROMPTS[6]
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, prompt_logprobs=2)
     built.core.add_request("p", prompt, sp)
@@ -155,7 +147,7 @@ def test_prompt_positions_are_scored_once_across_recompute():
 
 def test_finished_sequences_are_forgotten(models):
     path, _ = models("qwen3")
-    built = _engine(path)
+    built = build_tiny_engine(path)
     forgotten: list[str] = []
     sampler = built.core.executor.sampler
     original = sampler.forget
@@ -179,7 +171,7 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
     path, _ = models("qwen3")
     # qwen3 tiny: 2 layers, 2 KV heads, head_dim 32, float32 -> 2*2*16*2*32*4 bytes per block.
     per_block = 2 * 2 * 16 * 2 * 32 * 4
-    built = _engine(path, num_kv_blocks=None, kv_cache_memory="1MiB")
+    built = build_tiny_engine(path, num_kv_blocks=None, kv_cache_memory="1MiB")
     info = built.core.model_info
     assert info.kv_bytes_per_block == per_block
     num_blocks = (1 << 20) // per_block
@@ -190,18 +182,18 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
     assert (info.dtype, info.device, info.tp_size) == ("float32", "cpu", 1)
     # Default on CPU: 2 GiB capped at a quarter of RAM (here "RAM" is 4 MiB -> 1 MiB).
     monkeypatch.setattr(kv_cache, "system_memory_bytes", lambda: 4 << 20)
-    built = _engine(path, num_kv_blocks=None, max_model_len=512)
+    built = build_tiny_engine(path, num_kv_blocks=None, max_model_len=512)
     assert built.core.scheduler.kv.num_blocks == num_blocks
     # max_model_len is capped at what the pool can hold.
-    assert _engine(path, num_kv_blocks=8, max_model_len=512).max_model_len == 8 * 16
+    assert build_tiny_engine(path, num_kv_blocks=8, max_model_len=512).max_model_len == 8 * 16
     # Longer than the model's max_position_embeddings: refused, as vLLM does.
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        _engine(path, max_model_len=513)
+        build_tiny_engine(path, max_model_len=513)
     with pytest.raises(ValueError, match="no room for the KV cache"):
-        _engine(path, num_kv_blocks=None, kv_cache_memory=1000)
+        build_tiny_engine(path, num_kv_blocks=None, kv_cache_memory=1000)
     threads = torch.get_num_threads()
     try:
-        _engine(path, num_threads=1)
+        build_tiny_engine(path, num_threads=1)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
@@ -210,7 +202,9 @@ def test_kv_sizing_and_model_info(models, monkeypatch):
 def test_kv_cache_dtype_sizes_and_stores_the_cache_in_its_own_dtype(models):
     path, reference = models("qwen3")
     per_block_f32 = 2 * 2 * 16 * 2 * 32 * 4
-    built = _engine(path, num_kv_blocks=None, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16")
+    built = build_tiny_engine(
+        path, num_kv_blocks=None, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16"
+    )
     info = built.core.model_info
     runner = built.core.executor
     assert (info.dtype, info.kv_cache_dtype) == ("float32", "bfloat16")
@@ -238,7 +232,7 @@ def test_kv_cache_dtype_refuses_fp8_and_unknown_names():
 
 def test_bfloat16_model_keeps_logits_in_float32(models):
     path, _ = models("qwen3")
-    built = _engine(path, dtype="bfloat16", attention_backend="torch")
+    built = build_tiny_engine(path, dtype="bfloat16", attention_backend="torch")
     runner = built.core.executor
     assert runner.kv.tensor.dtype == torch.bfloat16  # auto: the model's dtype
     assert built.core.model_info.kv_cache_dtype == "bfloat16"

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import (
+    CHUNK7_BS4,
+    CHUNK13_BS8,
+    DEFAULT,
+    NO_PREFIX_CACHE,
+    build_tiny_engine,
+    preempt_bs4,
+)
+from metrics_text import metric_values
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl import LLM, SamplingParams
 from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.kv.hashing import hash_request_blocks
 from pagectl.engine.spec_decode.config import SpeculativeConfig
 from pagectl.engine.spec_decode.ngram import NgramProposer
@@ -45,17 +53,17 @@ def models(tmp_path_factory):
 
 
 def _engine(path, spec=NGRAM, **kw):
-    kw.setdefault("num_kv_blocks", 256)
-    return build_engine(EngineArgs(model=str(path), dtype="float32", speculative_config=spec, **kw))
+    return build_tiny_engine(path, spec=spec, **kw)
 
 
+# A ``_k8`` config proposes 8 tokens, not 4 (test_spec_draft runs the same configs).
 CONFIGS = {
-    "default": dict(block_size=16),
-    "no_prefix_cache": dict(block_size=16, enable_prefix_caching=False),
-    "chunk7_bs4": dict(block_size=4, max_num_batched_tokens=7),
-    "chunk13_bs8_k8": dict(block_size=8, max_num_batched_tokens=13),
+    "default": DEFAULT,
+    "no_prefix_cache": NO_PREFIX_CACHE,
+    "chunk7_bs4": CHUNK7_BS4,
+    "chunk13_bs8_k8": CHUNK13_BS8,
     # The longest request needs 19 blocks of 4 (plus proposals); 21 blocks preempt.
-    "preempt_bs4": dict(block_size=4, num_kv_blocks=21, max_num_batched_tokens=64),
+    "preempt_bs4": preempt_bs4(21),
 }
 CASES = [("qwen3", c) for c in CONFIGS] + [
     ("qwen2", "chunk7_bs4"),
@@ -72,13 +80,19 @@ def test_greedy_with_ngram_speculation_matches_transformers(models, model_name, 
     out = engine_greedy(built.core, PROMPTS, MAX_NEW)
     for i, (ours, ref) in enumerate(zip(out["tokens"], reference, strict=True)):
         assert ours == ref, f"prompt {i} (length {len(PROMPTS[i])})"
+    check_speculated(built, config)
     c = built.core.scheduler.counters
-    # Speculation ran, and both outcomes happened (so the comparison covers rejections).
-    assert c.spec_decode_num_drafts > 0
-    assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
     assert sum(c.spec_decode_num_accepted_tokens_per_pos) == c.spec_decode_num_accepted_tokens
     # Fewer steps than tokens: accepted runs gave several tokens per step.
     assert c.generation_tokens == MAX_NEW * len(PROMPTS)
+
+
+def check_speculated(built, config: str) -> None:
+    """Speculation ran, and both outcomes happened (so a comparison covers rejections); a
+    ``preempt`` config preempted; no block is left in use."""
+    c = built.core.scheduler.counters
+    assert c.spec_decode_num_drafts > 0
+    assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
     if config.startswith("preempt"):
         assert c.preemptions > 0
     assert built.core.scheduler.kv.pool.num_used_blocks == 0
@@ -189,21 +203,21 @@ def test_stop_conditions_cut_an_accepted_run(models):
         llm.shutdown()
 
 
-def test_no_block_leaks_after_a_mixed_run(models):
-    path, _ = models("llama")
-    built = _engine(path, block_size=4, num_kv_blocks=40, max_num_batched_tokens=24)
-    core = built.core
-    kinds = [
-        SamplingParams(temperature=0, ignore_eos=True, max_tokens=20),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=20, n=2),
-        SamplingParams(temperature=1.0, top_k=5, ignore_eos=True, max_tokens=15),
-        SamplingParams(temperature=0, repetition_penalty=1.3, ignore_eos=True, max_tokens=15),
-    ]
+# The mixed run's engine: blocks of 4 in a small pool, chunked prefill.
+MIXED_RUN = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24)
+
+
+def check_no_block_leaks_after_a_mixed_run(core, kinds, check_output=None) -> None:
+    """PROMPTS with the sampling params ``kinds`` in turn (``m1`` aborted at step 5) run to
+    the end with speculation; then every block is free and no group is left.
+    ``check_output(o)`` sees each step output."""
     for i, p in enumerate(PROMPTS):
         core.add_request(f"m{i}", p, kinds[i % len(kinds)])
     steps = 0
     while core.has_unfinished():
-        core.step()
+        for o in core.step():
+            if check_output is not None:
+                check_output(o)
         steps += 1
         if steps == 5:
             core.abort_request("m1")
@@ -212,6 +226,18 @@ def test_no_block_leaks_after_a_mixed_run(models):
     assert sched.kv.pool.num_used_blocks == 0
     assert sched.kv.pool.free_block_queue.num_free_blocks == sched.kv.num_blocks
     assert not sched.groups
+
+
+def test_no_block_leaks_after_a_mixed_run(models):
+    path, _ = models("llama")
+    built = _engine(path, **MIXED_RUN)
+    kinds = [
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=20),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=20, n=2),
+        SamplingParams(temperature=1.0, top_k=5, ignore_eos=True, max_tokens=15),
+        SamplingParams(temperature=0, repetition_penalty=1.3, ignore_eos=True, max_tokens=15),
+    ]
+    check_no_block_leaks_after_a_mixed_run(built.core, kinds)
 
 
 def test_live_setting_turns_speculation_off(models):
@@ -426,11 +452,7 @@ async def test_metrics_export_the_speculation_counters(make_client):
     c = engine.core.scheduler.counters
     assert c.spec_decode_num_drafts > 0
     text = await (await client.get("/metrics")).text()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+    values = metric_values(text)
     assert values['pagectl:spec_decode_num_drafts_total{engine="0"}'] == c.spec_decode_num_drafts
     assert (
         values['pagectl:spec_decode_num_draft_tokens_total{engine="0"}']

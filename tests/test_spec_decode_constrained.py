@@ -14,18 +14,12 @@ import re
 
 import jsonschema
 import pytest
+from engine_cases import CHUNK7_BS4, DEFAULT, NO_PREFIX_CACHE, build_tiny_engine, preempt_bs4
+from test_spec_decode import NGRAM, check_speculated
 
-from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.sampling_params import SamplingParams
 from pagectl.engine.structured_outputs import StructuredOutputsParams
 
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4,
-    "disable_by_batch_size": 0,
-}
 # Arrays of like objects: the output repeats itself, so n-gram lookup finds proposals.
 SCHEMA = {
     "type": "object",
@@ -51,16 +45,8 @@ PROMPT_TEXT = '{"rows": [{"k": "ab", "v": 1}, {"k": "cd", "v": 2}]} ab cd ef ab 
 
 
 def _engine(path, spec, **kw):
-    kw.setdefault("num_kv_blocks", 256)
-    return build_engine(
-        EngineArgs(
-            model=str(path),
-            dtype="float32",
-            speculative_config=spec,
-            structured_outputs_config={"disable_any_whitespace": True},
-            **kw,
-        )
-    )
+    structured = {"disable_any_whitespace": True}
+    return build_tiny_engine(path, spec=spec, structured_outputs_config=structured, **kw)
 
 
 def _params(seed: int | None, n: int = 1, **so) -> SamplingParams:
@@ -112,12 +98,13 @@ def plain_outputs(tiny_qwen3):
         built.shutdown()
 
 
+# A ``_k8`` config proposes 8 tokens, not 4; an ``_n2`` one asks for two samples.
 CONFIGS = {
-    "default": dict(block_size=16),
-    "no_prefix_cache_k8": dict(block_size=16, enable_prefix_caching=False),
-    "chunk7_bs4": dict(block_size=4, max_num_batched_tokens=7),
+    "default": DEFAULT,
+    "no_prefix_cache_k8": NO_PREFIX_CACHE,
+    "chunk7_bs4": CHUNK7_BS4,
     # Seven sequences of ~100 tokens in 40 blocks of 4 (plus proposals): preemptions.
-    "preempt_bs4_n2": dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=64),
+    "preempt_bs4_n2": preempt_bs4(40),
 }
 
 
@@ -133,13 +120,8 @@ def test_greedy_constrained_speculation_equals_plain(tiny_qwen3, plain_outputs, 
         for key in expected:
             assert out[key][:2] == expected[key][:2], key
         _check_valid(built.tokenizer, out)
-        c = built.core.scheduler.counters
         # Speculation ran on the constrained sequences, with accepted and rejected proposals.
-        assert c.spec_decode_num_drafts > 0
-        assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
-        if config.startswith("preempt"):
-            assert c.preemptions > 0
-        assert built.core.scheduler.kv.pool.num_used_blocks == 0
+        check_speculated(built, config)
     finally:
         built.shutdown()
 

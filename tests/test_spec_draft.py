@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import build_tiny_engine
 from test_spec_decode import (
+    CONFIGS,
     MAX_NEW,
+    MIXED_RUN,
     MODELS,
     PROMPTS,
     VOCAB,
     _check_cache_holds_only_verified,
     assert_target_distribution,
+    check_no_block_leaks_after_a_mixed_run,
+    check_speculated,
 )
 from tiny_models import build_tiny_model, engine_greedy, lazy_reference_models
 
 from pagectl import SamplingParams
-from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.kv.hashing import hash_request_blocks
 from pagectl.testing.truncated_draft import write_truncated_draft
 
@@ -57,22 +60,11 @@ def _spec(draft, k=K):
 
 
 def _engine(path, draft, k=K, **kw):
-    kw.setdefault("num_kv_blocks", 256)
-    return build_engine(
-        EngineArgs(model=str(path), dtype="float32", speculative_config=_spec(draft, k), **kw)
-    )
+    return build_tiny_engine(path, spec=_spec(draft, k), **kw)
 
 
-CONFIGS = {
-    "default": dict(block_size=16),
-    "no_prefix_cache": dict(block_size=16, enable_prefix_caching=False),
-    # Chunked prefill at odd budgets (prefix-cache hits in mixed steps).
-    "chunk7_bs4": dict(block_size=4, max_num_batched_tokens=7),
-    "chunk13_bs8_k8": dict(block_size=8, max_num_batched_tokens=13),
-    # The longest request needs 19 blocks of 4 (plus proposals); 21 blocks preempt.
-    "preempt_bs4": dict(block_size=4, num_kv_blocks=21, max_num_batched_tokens=64),
-}
-# (Block size 16 with prefix caching and a budget without chunking: the ctl-status test.)
+# CONFIGS and PROMPTS are the n-gram tests'. (Block size 16 with prefix caching and a
+# budget without chunking: the ctl-status test.)
 CASES = [
     ("qwen3", "no_prefix_cache"),
     ("qwen3", "chunk13_bs8_k8"),
@@ -89,14 +81,8 @@ def test_greedy_with_a_draft_model_matches_transformers(models, model_name, conf
         out = engine_greedy(built.core, PROMPTS, MAX_NEW)
         for i, (ours, ref) in enumerate(zip(out["tokens"], reference, strict=True)):
             assert ours == ref, f"prompt {i} (length {len(PROMPTS[i])})"
-        c = built.core.scheduler.counters
-        # Speculation ran, and both outcomes happened (so the comparison covers rejections).
-        assert c.spec_decode_num_drafts > 0
-        assert 0 < c.spec_decode_num_accepted_tokens < c.spec_decode_num_draft_tokens
-        assert c.generation_tokens == MAX_NEW * len(PROMPTS)
-        if config.startswith("preempt"):
-            assert c.preemptions > 0
-        assert built.core.scheduler.kv.pool.num_used_blocks == 0
+        check_speculated(built, config)
+        assert built.core.scheduler.counters.generation_tokens == MAX_NEW * len(PROMPTS)
     finally:
         built.shutdown()
 
@@ -189,32 +175,22 @@ def test_prefix_cache_blocks_hold_the_drafts_kv_and_no_rejected_token(models):
 
 def test_no_block_leaks_after_a_mixed_run(models):
     path, draft, _ = models("llama")
-    built = _engine(path, draft, block_size=4, num_kv_blocks=40, max_num_batched_tokens=24)
-    core = built.core
+    built = _engine(path, draft, **MIXED_RUN)
+    kinds = [
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=20),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=20, n=2),
+        SamplingParams(temperature=1.0, top_k=5, ignore_eos=True, max_tokens=15),
+        SamplingParams(
+            temperature=0.7, repetition_penalty=1.3, ignore_eos=True, max_tokens=15, logprobs=2
+        ),
+    ]
+
+    def check_logprobs(o) -> None:
+        if o.new_logprobs is not None:
+            assert len(o.new_logprobs) == len(o.new_token_ids)
+
     try:
-        kinds = [
-            SamplingParams(temperature=0, ignore_eos=True, max_tokens=20),
-            SamplingParams(temperature=0.8, seed=3, max_tokens=20, n=2),
-            SamplingParams(temperature=1.0, top_k=5, ignore_eos=True, max_tokens=15),
-            SamplingParams(
-                temperature=0.7, repetition_penalty=1.3, ignore_eos=True, max_tokens=15, logprobs=2
-            ),
-        ]
-        for i, p in enumerate(PROMPTS):
-            core.add_request(f"m{i}", p, kinds[i % len(kinds)])
-        steps = 0
-        while core.has_unfinished():
-            for o in core.step():
-                if o.new_logprobs is not None:
-                    assert len(o.new_logprobs) == len(o.new_token_ids)
-            steps += 1
-            if steps == 5:
-                core.abort_request("m1")
-        sched = core.scheduler
-        assert sched.counters.spec_decode_num_drafts > 0
-        assert sched.kv.pool.num_used_blocks == 0
-        assert sched.kv.pool.free_block_queue.num_free_blocks == sched.kv.num_blocks
-        assert not sched.groups
+        check_no_block_leaks_after_a_mixed_run(built.core, kinds, check_logprobs)
     finally:
         built.shutdown()
 
@@ -457,9 +433,7 @@ def test_greedy_drafts_with_processing_propose_the_samplers_choice(models, monke
         if spec:
             built = _engine(path, draft, block_size=4)
         else:
-            built = build_engine(
-                EngineArgs(model=str(path), dtype="float32", block_size=4, num_kv_blocks=256)
-            )
+            built = build_tiny_engine(path, block_size=4)
         try:
             if spec:
                 # Only the proposer samples for the draft; the target keeps its own sampler.

@@ -8,10 +8,9 @@ rank as any step does. Chunked prefill at an odd budget and prefix-cache hits in
 from __future__ import annotations
 
 import pytest
+from engine_cases import CHUNK7_BS4, build_tiny_engine
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
-from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.distributed.workers import TPWorkers
 from pagectl.testing.truncated_draft import write_truncated_draft
 
@@ -21,14 +20,7 @@ VOCAB = 384
 MAX_NEW = 12
 # Two that repeat themselves (n-gram hits), two sharing a 20-token prefix.
 PROMPTS = random_prompts(11, VOCAB, [5, 17], 20, [9, 30]) + [[7, 8, 9, 10, 11] * 5]
-CONFIG = dict(block_size=4, max_num_batched_tokens=7, num_kv_blocks=128)
-
-
-def _engine(path, tp=1, workers=None, spec=None):
-    args = EngineArgs(
-        model=str(path), dtype="float32", tensor_parallel_size=tp, speculative_config=spec, **CONFIG
-    )
-    return build_engine(args, tp_workers=workers)
+CONFIG = dict(CHUNK7_BS4, num_kv_blocks=128)
 
 
 def test_speculation_at_tp2_matches_tp1_without_it(tmp_path_factory):
@@ -38,7 +30,7 @@ def test_speculation_at_tp2_matches_tp1_without_it(tmp_path_factory):
     )
     path, reference = models("qwen3")
     draft = write_truncated_draft(path, tmp_path_factory.mktemp("draft"), 1)
-    plain = _engine(path)
+    plain = build_tiny_engine(path, **CONFIG)
     expect = engine_greedy(plain.core, PROMPTS, MAX_NEW)["tokens"]
     plain.shutdown()
     assert expect == reference
@@ -54,7 +46,7 @@ def test_speculation_at_tp2_matches_tp1_without_it(tmp_path_factory):
     workers = TPWorkers.start(2, "cpu")
     try:
         for name, spec in specs.items():
-            built = _engine(path, 2, workers, spec)
+            built = build_tiny_engine(path, tp=2, workers=workers, spec=spec, **CONFIG)
             try:
                 out = engine_greedy(built.core, PROMPTS, MAX_NEW)
                 assert out["tokens"] == expect, name

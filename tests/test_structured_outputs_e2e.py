@@ -13,8 +13,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from pagectl.testing.daemon_process import DaemonProcess
-
 pytestmark = pytest.mark.slow
 
 SCHEMA = {
@@ -80,34 +78,17 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, tiny_qwen3):
-    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    d = DaemonProcess(
-        tmp_path_factory.mktemp("rt"),
+def daemon(structured_daemon):
+    return structured_daemon(
         [
-            "--chat-template",
-            str(template),
-            "--model",
-            str(tiny_qwen3),
-            "--served-model-name",
-            "tiny",
-            "--num-kv-blocks",
-            "256",
-            "--dtype",
-            "float32",
-            "--structured-outputs-config",
-            '{"backend": "xgrammar", "disable_any_whitespace": true}',
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "hermes",
             "--api-key",
             KEY,
         ],
+        chat_template=TEMPLATE,
     )
-    d.start()
-    yield d
-    d.kill()
 
 
 @pytest.fixture(scope="module")

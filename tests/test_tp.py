@@ -30,10 +30,10 @@ import openai
 import psutil
 import pytest
 import requests
+from engine_cases import CHUNK7_BS4, DEFAULT, build_tiny_engine, preempt_bs4
 from tiny_models import engine_greedy, lazy_reference_models, random_prompts
 
 from pagectl.engine.args import EngineArgs
-from pagectl.engine.builder import build_engine
 from pagectl.engine.distributed.step_wire import OP_STEP, pack_step, unpack_step
 from pagectl.engine.distributed.workers import TPWorkerError, TPWorkers
 from pagectl.engine.runner.input_batch import StepArrays
@@ -104,8 +104,7 @@ def groups():
 
 def _engine(path, tp: int = 1, workers: TPWorkers | None = None, **kw):
     kw.setdefault("num_kv_blocks", 128)
-    args = EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp, **kw)
-    return build_engine(args, tp_workers=workers)
+    return build_tiny_engine(path, tp=tp, workers=workers, **kw)
 
 
 def _children_pids() -> set[int]:
@@ -146,11 +145,10 @@ def test_step_wire_round_trip():
 # -- greedy output against TP=1 and transformers ----------------------------------------
 
 CONFIGS = {
-    "default": dict(block_size=16),
-    # Chunked prefill in mixed steps, prefix-cache hits.
-    "chunk7_bs4": dict(block_size=4, max_num_batched_tokens=7),
-    # 22 blocks of 4 cannot hold every request: preemption and recompute.
-    "preempt_bs4": dict(block_size=4, num_kv_blocks=22, max_num_batched_tokens=64),
+    "default": DEFAULT,
+    "chunk7_bs4": CHUNK7_BS4,
+    # 22 blocks of 4 cannot hold every request.
+    "preempt_bs4": preempt_bs4(22),
 }
 CASES = [
     ("qwen3", 2, "default"),

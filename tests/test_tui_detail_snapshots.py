@@ -7,8 +7,6 @@ Regenerate after an intended change with ``pytest tests/test_tui_detail_snapshot
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_tui_app import settle, wait_until
 from test_tui_request_detail import beam_app, open_detail, tokens_shown
@@ -18,13 +16,7 @@ from pagectl.tui.request_groups import GROUP_PREFIX
 SIZE = (80, 24)
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # event times in a fixed zone
 
 
 def test_beam_group_highlighted(snap_compare):

@@ -6,8 +6,6 @@ Regenerate after an intended change with ``pytest tests/test_tui_snapshots.py
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_tui_app import SIZE, inspected, make_app, settle, wait_until
 from test_tui_scenarios import NOW, busy_snapshots, huge_snapshot, idle_snapshots
@@ -15,15 +13,7 @@ from test_tui_scenarios import NOW, busy_snapshots, huge_snapshot, idle_snapshot
 from pagectl.tui.blockmodel import block_ids
 from pagectl.tui.widgets.block_map import BlockMapView
 
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    """Event times are shown in local time: pin the zone."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # event times in a fixed zone
 
 
 def test_idle(snap_compare):
