@@ -16,12 +16,14 @@ the loader fills all of them.
 On CPU, ``pack_for_cpu()`` (called by the runner after loading) picks each layer's matmul.
 A float32 or bfloat16 weight stays in its plain [N, K] layout when the project's kernel
 (``torch.ops.pagectl_cpu.skinny_linear``) loads, and the kernel multiplies by it (bfloat16
-widened to float32 in registers) up to ``DENSE_MIN_ROWS`` rows: against oneDNN's packed
-float32 matmul it is faster at one row by 30-40% and level or ahead up to prefill sizes
-(figures: docs/PERFORMANCE.md, section 12). From ``DENSE_MIN_ROWS`` rows on, torch's GEMM
-takes over (a bfloat16 or int8 weight widened to float32 a slice at a time). Without the
-kernel, a float32 weight (and a bfloat16 one where oneDNN takes it: a CPU with native
-bfloat16 instructions) moves into oneDNN's blocked layout and the plain copy is freed.
+widened to float32 in registers) below ``DENSE_MIN_ROWS`` rows; from there torch's GEMM
+takes over (a bfloat16 or int8 weight widened to float32 a slice at a time). Against
+oneDNN's packed float32 matmul, the path without the kernel, it is 1.3x (33.6M model) to
+1.6x (0.6B shape) faster at one row, 1.2-1.4x at 16 and 32, level to 0.85x between 64 and
+127, and GEMM is 0.75-0.85x of oneDNN at 128 and 512 rows (docs/PERFORMANCE.md, section 12).
+Without the kernel, a float32 weight (and a bfloat16 one where oneDNN takes it: a CPU with
+native bfloat16 instructions) moves into oneDNN's blocked layout and the plain copy is
+freed.
 
 Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
 ``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
@@ -51,13 +53,14 @@ from pagectl.engine.quant.kernels import (
     int4_group_for,
 )
 
-# From this many rows on, a bfloat16 or int8 weight is widened to float32 a slice at a time
-# and multiplied by BLAS's float32 GEMM: at prefill sizes that is compute-bound and beats the
-# few-row kernel (the 33.6M model's 32 layer matmuls at M = 256: 109 / 118 ms against 151 /
-# 162 ms for bf16 / int8; at M = 512: 249 / 274 against 292 / 381), and widening costs a
-# small fraction of it. Below, the few-row kernel wins (it reads 2-4x fewer bytes per weight
-# than float32). Figures: docs/PERFORMANCE.md, section 12.
-DENSE_MIN_ROWS = 128
+# From this many rows on, torch's float32 GEMM takes the matmul (a bfloat16 or int8 weight
+# widened to float32 a slice at a time; widening costs a small fraction of it); below, the
+# project's kernel. Over the 33.6M model's 33 matmuls (LM head included), 2 threads, GEMM
+# against the kernel for float32 / bf16 / int8: at 128 rows 114 / 141 / 132 against 88 / 96
+# / 82 ms, at 192 140 / 205 / 140 against 131 / 169 / 131, at 320 178 / 201 / 210 against
+# 204 / 217 / 207, at 512 281 / 322 / 333 against 344 / 346 / 377. Figures and command:
+# docs/PERFORMANCE.md, section 12.
+DENSE_MIN_ROWS = 256
 # Elements of float32 weight widened at once (16 MiB).
 DENSE_SLICE_ELEMS = 1 << 22
 
