@@ -7,9 +7,11 @@ Regenerate after an intended change with ``pytest tests/test_fleet_snapshots.py
 
 from __future__ import annotations
 
+import pytest
 from test_fleet_view import make_fleet, settle_fleet, skewed_fleet
 from test_tui_app import wait_until
-from test_tui_snapshots import utc  # noqa: F401 (autouse: event times in UTC)
+
+pytestmark = pytest.mark.usefixtures("utc")  # event times in a fixed zone
 
 REMOTE = {"10.1.2.3:8000": "on another host: the admin channel is local, run pagectl top there"}
 
