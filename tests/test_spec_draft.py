@@ -286,23 +286,12 @@ def _rejection_sample_drawing_every_row(sampler, logits, rows, draft_rows, draft
     """``rejection_sample`` as first written: every row drawn from p, then the rows that check
     a proposal overwritten. The reference whose tokens (and random streams) it must keep."""
     from pagectl.engine.runner.sampler import SamplerResult
+    from pagectl.engine.spec_decode.rejection import check_proposals
 
     p = sampler.sampling_probs(logits, rows)
     tokens = sampler.draw_from(p, rows)
     if draft_rows:
-        index = torch.tensor(draft_rows)
-        d = torch.tensor(draft_tokens)
-        pr = p.index_select(0, index)
-        q = q.to(pr.dtype)
-        p_d = pr.gather(1, d[:, None])[:, 0].double()
-        q_d = q.gather(1, d[:, None])[:, 0].double()
-        checked = [rows[r] for r in draft_rows]
-        accept = sampler.uniform(checked) * q_d < p_d
-        residual = (pr - q).clamp_(min=0.0)
-        empty = residual.sum(dim=-1) <= 0
-        if bool(empty.any()):
-            residual[empty] = pr[empty]
-        tokens.index_copy_(0, index, torch.where(accept, d, sampler.draw_from(residual, checked)))
+        tokens.index_copy_(0, *check_proposals(sampler, p, rows, draft_rows, draft_tokens, q))
     return SamplerResult(tokens.tolist(), sampler.logprobs_of(logits, tokens, rows))
 
 

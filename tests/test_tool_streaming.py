@@ -15,11 +15,11 @@ from pagectl.server.tools.request import ToolSpec
 from pagectl.server.tools.streaming import CallScanner
 
 
-def pieces(text: str, seed: int) -> list[str]:
+def pieces(text: str, seed: int, shortest: int = 1, longest: int = 6) -> list[str]:
     rng = random.Random(seed)
     out, i = [], 0
     while i < len(text):
-        k = rng.randint(1, 6)
+        k = rng.randint(shortest, longest)
         out.append(text[i : i + k])
         i += k
     return out
@@ -298,13 +298,7 @@ def splits(text: str, seed: int) -> list[str]:
         return [text]
     if seed == 1:
         return list(text)
-    rng = random.Random(seed)
-    out, i = [], 0
-    while i < len(text):
-        k = rng.randint(0, 12)
-        out.append(text[i : i + k])
-        i += k
-    return out
+    return pieces(text, seed, 0, 12)
 
 
 @pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json"])

@@ -282,11 +282,12 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.quantize("int8", group_size)
 
     def pack_for_cpu(self) -> int:
-        """Move matmul weights into oneDNN's layout (CPU only; see ``linear.py``), and switch
+        """Pick each matmul layer's CPU path (the project's kernel on the plain weight, or
+        oneDNN's packed layout; CPU only; see ``linear.py``), and switch
         the norms, SiLU and q/k rotation to the project's fused CPU ops when they load and
         apply (float32 and bfloat16; the rotation when it covers whole heads).
 
-        Returns how many layers were packed. Weights cannot be reloaded afterwards.
+        Returns how many layers switched. Weights cannot be reloaded afterwards.
         """
         packed = 0
         for m in self.modules():

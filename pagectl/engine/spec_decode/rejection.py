@@ -53,21 +53,39 @@ def rejection_sample(
         # cumulative sum of the inverse CDF; the race's division and argmax).
         fresh_tokens = sampler.draw_from(p, rows, rows_to_draw=fresh)
         tokens.index_copy_(0, torch.tensor(fresh, dtype=torch.long, device=dev), fresh_tokens)
-        index = torch.tensor(draft_rows, dtype=torch.long, device=dev)
-        d = torch.tensor(draft_tokens, dtype=torch.long, device=dev)
-        pr = p.index_select(0, index)
-        q = draft_probs.to(pr.dtype)
-        p_d = pr.gather(1, d[:, None])[:, 0].double()
-        q_d = q.gather(1, d[:, None])[:, 0].double()
-        checked = [rows[r] for r in draft_rows]
-        # P(u * q < p) = min(1, p / q) for u uniform in [0, 1); q(d) > 0 as d was drawn
-        # from q, and p(d) == 0 never accepts.
-        accept = sampler.uniform(checked) * q_d < p_d
-        residual = (pr - q).clamp_(min=0.0)
-        # An all-zero residual means p == q there, which accepts with probability 1; p keeps
-        # the draw well defined.
-        empty = residual.sum(dim=-1) <= 0
-        if bool(empty.any()):
-            residual[empty] = pr[empty]
-        tokens.index_copy_(0, index, torch.where(accept, d, sampler.draw_from(residual, checked)))
+        index, checked_tokens = check_proposals(
+            sampler, p, rows, draft_rows, draft_tokens, draft_probs
+        )
+        tokens.index_copy_(0, index, checked_tokens)
     return SamplerResult(tokens.tolist(), sampler.logprobs_of(logits, tokens, rows))
+
+
+def check_proposals(
+    sampler: Sampler,
+    p: torch.Tensor,
+    rows: Sequence[Any],
+    draft_rows: list[int],
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token of each row that checks a proposal: the proposal if accepted, else a draw
+    from the residual. Returns (the rows' indices, their tokens); draws the uniforms, then
+    the residual draws, in that order."""
+    dev = p.device
+    index = torch.tensor(draft_rows, dtype=torch.long, device=dev)
+    d = torch.tensor(draft_tokens, dtype=torch.long, device=dev)
+    pr = p.index_select(0, index)
+    q = draft_probs.to(pr.dtype)
+    p_d = pr.gather(1, d[:, None])[:, 0].double()
+    q_d = q.gather(1, d[:, None])[:, 0].double()
+    checked = [rows[r] for r in draft_rows]
+    # P(u * q < p) = min(1, p / q) for u uniform in [0, 1); q(d) > 0 as d was drawn
+    # from q, and p(d) == 0 never accepts.
+    accept = sampler.uniform(checked) * q_d < p_d
+    residual = (pr - q).clamp_(min=0.0)
+    # An all-zero residual means p == q there, which accepts with probability 1; p keeps
+    # the draw well defined.
+    empty = residual.sum(dim=-1) <= 0
+    if bool(empty.any()):
+        residual[empty] = pr[empty]
+    return index, torch.where(accept, d, sampler.draw_from(residual, checked))

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -233,12 +234,13 @@ void run_bcast(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t
   const int64_t mp = (m_dim + 7) / 8 * 8;
   const int64_t blocks = (mp + kBlockM - 1) / kBlockM;
   auto block_width = [&](int64_t b) { return std::min<int64_t>(kBlockM, mp - b * kBlockM); };
-  // Block b holds rows b*16.. as [K, width]; rows past M are zero.
-  std::vector<float> xb(static_cast<size_t>(mp * k_dim));
+  // Block b holds rows b*16.. as [K, width]; rows past M are zero. Every element is written
+  // below, so the buffer is not zero-filled first.
+  std::unique_ptr<float[]> xb(new float[static_cast<size_t>(mp * k_dim)]);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m0 = b * kBlockM, wb = block_width(b);
-      float* dst = xb.data() + m0 * k_dim;
+      float* dst = xb.get() + m0 * k_dim;
       for (int64_t i = 0; i < wb; ++i) {
         const int64_t m = m0 + i;
         if (m < m_dim) {
@@ -290,7 +292,7 @@ void run_bcast(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t
           for (int64_t b = 0; b < blocks; ++b) {
             const int64_t m0 = b * kBlockM, wb = block_width(b);
             float* acc = part.data() + ((t - g0) * blocks + b) * kBcastN * kBlockM;
-            const float* xc = xb.data() + m0 * k_dim + k0 * wb;
+            const float* xc = xb.get() + m0 * k_dim + k0 * wb;
             if (wb == kBlockM) {
               bcast_block<2>(xc, wt, ldw, k_len, first, acc);
             } else {
