@@ -134,6 +134,26 @@ def test_bad_tag_inside_is_the_backend_message():
         build_grammar(StructuredOutputsParams(structural_tag={"format": {"type": "nope"}}), False)
 
 
+def test_a_tag_nested_too_deep_is_refused_not_a_crash():
+    inner: list = []
+    deepest = inner
+    for _ in range(5000):  # deeper than json's encoder goes
+        deepest.append([])
+        deepest = deepest[0]
+    tag = {"type": "structural_tag", "format": {"type": "x", "a": inner}}
+    with pytest.raises(StructuredOutputsError, match="nested too deep"):
+        StructuredOutputsParams(structural_tag=tag)
+    for field, body in (
+        ("structural_tag", {"structural_tag": tag}),
+        ("response_format", {"response_format": tag}),
+        ("structured_outputs", {"structured_outputs": {"structural_tag": tag}}),
+    ):
+        with pytest.raises(APIError) as e:
+            parse_structured(body)
+        assert e.value.status == 400 and e.value.param == field, e.value.message
+        assert "nested too deep" in e.value.message
+
+
 def test_request_surface():
     c = parse_structured({"response_format": VLLM_TAG})
     assert c is not None and c.param == "response_format"

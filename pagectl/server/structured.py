@@ -192,4 +192,7 @@ def _json_object(field: str, value: object, what: str, types: tuple[type, ...]) 
             raise bad_request(f"{field}: {what} is not valid JSON: {why}", field) from None
     if not isinstance(value, types):
         raise bad_request(f"{field}: {what} must be an object", field)
-    return canonical_json(value)
+    try:
+        return canonical_json(value)
+    except StructuredOutputsError:
+        raise bad_request(f"{field}: {what} is nested too deep", field) from None

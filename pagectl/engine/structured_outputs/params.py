@@ -114,7 +114,12 @@ class StructuredOutputsParams:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:  # deeper than the encoder goes: a request's value, not a crash
+        raise StructuredOutputsError(
+            "structured_outputs", "the constraint is nested too deep"
+        ) from None
 
 
 def structural_tag_text(params: StructuredOutputsParams, disable_any_whitespace: bool) -> str:
@@ -125,6 +130,10 @@ def structural_tag_text(params: StructuredOutputsParams, disable_any_whitespace:
         return normalize(params.structural_tag, disable_any_whitespace)
     except ValueError as e:
         raise StructuredOutputsError("structured_outputs", str(e)) from None
+    except RecursionError:  # a tag nested deeper than the parser and encoder go
+        raise StructuredOutputsError(
+            "structured_outputs", "structural_tag is nested too deep"
+        ) from None
 
 
 def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool) -> Any:
