@@ -105,6 +105,11 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tens
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
+def _full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width tables as ``apply_rotary_full`` reads them: [cos | cos] and [-sin | sin]."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # ``to`` is an op even when it returns ``t`` itself: skipped for float32 models.
     return t if t.dtype == dtype else t.to(dtype)
@@ -146,7 +151,7 @@ class RotaryEmbedding(nn.Module):
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
         if self.rotates_whole_head:
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+            cos, sin = _full_width(cos, sin)
         self._cos, self._sin = cos.to(device), sin.to(device)
 
     def cos_sin(
@@ -185,12 +190,12 @@ class RotaryEmbedding(nn.Module):
         Without ``head_axis``: contiguous [T, rotary_dim], the fused CPU op's operands."""
         if token_seq_lens is not None and self.is_dynamic:
             cos, sin = self._dynamic_cos_sin(positions, token_seq_lens)
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+            cos, sin = _full_width(cos, sin)
         else:
             cos = self._cos.index_select(0, positions)
             sin = self._sin.index_select(0, positions)
             if not self.rotates_whole_head:  # half-width tables
-                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+                cos, sin = _full_width(cos, sin)
         cos, sin = _cast(cos, dtype), _cast(sin, dtype)
         return (cos.unsqueeze(1), sin.unsqueeze(1)) if head_axis else (cos, sin)
 
