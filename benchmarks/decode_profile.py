@@ -7,9 +7,13 @@ everything a served request gets). After the prefill and ``--warmup`` decode ste
 
 1. **plain**: ``EngineCore.step`` wall time, split by the runner's own timers into batch
    preparation, forward (with the LM head), sampling, and what is left (scheduler, engine core,
-   Python around the forward). The tok/s printed is 1 / the median step.
-2. **by part** (a second pass; timers on every part add a few microseconds per call, so its
-   total is a little above the plain one): per layer, the q/k/v, o, gate/up and down
+   Python around the forward). The tok/s printed is 1 / the median step. Where the model's
+   layers run chained in one C++ op (``models/layer_chain.py``, what a served request gets),
+   the same steps also run through the layer modules, in alternating rounds
+   (``--rounds``), and the median of the per-round ratios is printed.
+2. **by part** (a second pass, through the layer modules: timers on every part add a few
+   microseconds per call, so its total is a little above the plain modules' one): per
+   layer, the q/k/v, o, gate/up and down
    projections, the attention backend (KV write + decode kernel), the q/k norm + rotary
    (what the attention module does between its projections), RMSNorms and residual adds,
    SiLU-and-mul, the embedding, rotary cos/sin, the final norm and the LM head.
@@ -156,13 +160,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="chain / modules rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table")
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = ap.parse_args()
 
     model = args.model or str(ensure_synthetic_model(args.synthetic_model))
-    total = args.prompt_len + args.warmup + 3 * args.steps + 8
+    total = args.prompt_len + args.warmup + (3 + 2 * args.rounds) * args.steps + 8
     llm = LLM(
         model,
         dtype=args.dtype,
@@ -191,6 +196,18 @@ def main() -> None:
     mean_ms = 1000 * sum(plain) / n
     prep_ms, fwd_ms, smp_ms = (1000 * x / n for x in (tm.prepare_s, tm.forward_s, tm.sample_s))
     rest_ms = mean_ms - prep_ms - fwd_ms - smp_ms
+
+    net = runner.model
+    chain = net.layer_chain
+    rounds: list[tuple[float, float]] = []
+    if chain is not None:
+        for _ in range(args.rounds):
+            chained = statistics.median(run_steps(llm, args.steps))
+            net.layer_chain = None
+            modules = statistics.median(run_steps(llm, args.steps))
+            net.layer_chain = chain
+            rounds.append((1000 * chained, 1000 * modules))
+    net.layer_chain = None  # the timers and the op count below are the modules''
 
     timer = PartTimer()
     instrument(llm, timer)
@@ -221,13 +238,22 @@ def main() -> None:
         f"model {args.model or args.synthetic_model}: {cfg.num_hidden_layers} layers, hidden "
         f"{cfg.hidden_size}, vocab {cfg.vocab_size}; dtype {args.dtype}, quantization "
         f"{args.quantization}; threads {args.threads}; attention {runner.backend.name}; "
-        f"context {args.prompt_len + args.warmup}..{args.prompt_len + args.warmup + 2 * args.steps}"
+        f"context {args.prompt_len + args.warmup}..{args.prompt_len + args.warmup + (2 + 2 * args.rounds) * args.steps}"
     )
     print(
         f"plain: {n} decode steps, median {step_ms:.2f} ms ({1000 / step_ms:.1f} tok/s), mean "
         f"{mean_ms:.2f} ms: prepare {prep_ms:.2f} | forward + LM head {fwd_ms:.2f} | sample "
         f"{smp_ms:.2f} | scheduler, core, Python {rest_ms:.2f}"
     )
+    if rounds:
+        ratio = statistics.median(m / c for c, m in rounds)
+        print(
+            "layers chained in one op against the layer modules, median step per round: "
+            + ", ".join(f"{c:.2f} vs {m:.2f} ms" for c, m in rounds)
+            + f"; median ratio {ratio:.2f}x"
+        )
+    else:
+        print("layers chained in one op: not for this model (the modules' forward throughout)")
     parted_ms = 1000 * sum(parted) / len(parted)
     print(f"by part: {len(parted)} steps, mean {parted_ms:.2f} ms (timers included)")
     rows = sorted(timer.totals.items(), key=lambda kv: -kv[1])
@@ -263,6 +289,7 @@ def main() -> None:
                     "parts_ms": per_step,
                     "ops_per_step": prof_ops,
                     "dispatch_us": disp_us,
+                    "chain_vs_modules_ms": rounds,
                 }
             )
         )

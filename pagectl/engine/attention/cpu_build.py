@@ -1,6 +1,7 @@
 """Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention;
 ``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/decode_ops_cpu.cpp``, a layer's
-fused elementwise ops) once, into one library, and loads it.
+fused elementwise ops; ``csrc/decode_layers_cpu.cpp``, a decode step's layers chained in one
+op) once, into one library, and loads it.
 
 The source is compiled with the machine's C++ compiler against the running torch (its
 headers and libraries; no Python headers, no ninja) into a shared library that registers
@@ -47,16 +48,18 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-# Every source compiled into the library: the attention kernel, the skinny matmul and the
-# fused elementwise ops; and the headers they include (part of the cache key).
+# Every source compiled into the library: the attention kernel, the skinny matmul, the
+# fused elementwise ops and the chained decode layers; and the headers they include (part
+# of the cache key).
 SOURCES = (
     SOURCE,
     SOURCE.parent / "skinny_linear_cpu.cpp",
     SOURCE.parent / "decode_ops_cpu.cpp",
+    SOURCE.parent / "decode_layers_cpu.cpp",
 )
-HEADERS = (SOURCE.parent / "cpu_vec_math.h",)
+HEADERS = (SOURCE.parent / "cpu_vec_math.h", SOURCE.parent / "cpu_kernels.h")
 LIBRARY_NAME = "pagectl_cpu_attention"
-# A build that takes longer is abandoned (the torch backend is used instead). The three
+# A build that takes longer is abandoned (the torch backend is used instead). The four
 # sources take about 50 s on an idle 2-core machine; under load, several times that.
 BUILD_TIMEOUT_S = 300.0
 

@@ -23,6 +23,7 @@ from pagectl.engine.attention.backend import AttentionBackend
 from pagectl.engine.attention.metadata import AttentionMetadata
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagectl.engine.models.layer_chain import LayerChain
 from pagectl.engine.models.layers import FUSED_CPU_DTYPES, HasFusedCpuOp, RMSNorm, SiluAndMul
 from pagectl.engine.models.linear import (
     ColumnParallelLinear,
@@ -244,6 +245,13 @@ class DecoderForCausalLM(nn.Module):
         # Whether the attention layers rotate with the fused CPU op (set by pack_for_cpu):
         # the forward then passes them [T, head_dim] tables.
         self._fused_rotary = False
+        # A pure decode step's layers as one C++ op (set by bind_kv_cache where it applies;
+        # None: the modules' forward). Benchmarks set it to None to time the modules.
+        self.layer_chain: LayerChain | None = None
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     @property
     def attention_layers(self) -> list[DecoderAttention]:
@@ -257,6 +265,9 @@ class DecoderForCausalLM(nn.Module):
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = cache
             attn.backend = backend
+        self.layer_chain = (
+            LayerChain.build(self, kv_caches, backend) if self._fused_rotary else None
+        )
 
     def _projections(self) -> list[PackableLinear]:
         """The decoder layers' linear layers (not the LM head)."""
@@ -316,6 +327,9 @@ class DecoderForCausalLM(nn.Module):
         else:
             cos, sin = rot.cos_sin(positions, self.dtype, lens)
         hidden = self.model.embed_tokens(input_ids)
+        chain = self.layer_chain
+        if chain is not None and chain.applies(input_ids, meta):
+            return chain.run(hidden, cos, sin, meta)
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)

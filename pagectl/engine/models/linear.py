@@ -64,6 +64,9 @@ DENSE_MIN_ROWS = 256
 # Elements of float32 weight widened at once (16 MiB).
 DENSE_SLICE_ELEMS = 1 << 22
 
+# What the project's kernel multiplies by: weight, scale (int8), bias.
+KernelOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
 # The parameters of a projection loaded from an AWQ/GPTQ checkpoint (see checkpoint.py).
 _INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
 
@@ -205,6 +208,25 @@ class PackableLinear(nn.Module):
             self._skinny = cpu_build.load_cpu_ops()
         return self._skinny is not None
 
+    def kernel_operands(self) -> KernelOperands | None:
+        """(weight, scale, bias) exactly as this layer's forward hands them to the project's
+        kernel (``skinny_linear``) below ``DENSE_MIN_ROWS`` rows, or None when its forward
+        does anything else there: oneDNN's packed weight, int4, torch's int8 kernel, a bias
+        added after the matmul, a reduction across ranks. The model's chained decode layers
+        (``decoder.py``) multiply by these operands instead of calling the forward."""
+        return None
+
+    def _kernel_operands(self, bias: torch.Tensor | None) -> KernelOperands | None:
+        """``kernel_operands`` of a forward that is ``_matmul(x, bias)`` alone."""
+        q = self._quantized
+        if isinstance(q, Int8Weight):
+            operands = q.kernel_operands()
+            # The int8 path adds a bias after the matmul, in the activations' dtype.
+            return None if operands is None or bias is not None else (*operands, None)
+        if q is None and self._packed is None and self._skinny is not None:
+            return self.weight, None, bias
+        return None
+
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x W^T + b`` by float32 GEMM over float32 slices of a bfloat16 or int8 weight, or
         None when this layer's weight is neither (a plain float32 weight: straight to GEMM)."""
@@ -283,6 +305,9 @@ class ColumnParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         n = param.shape[0]
         copy_checked(param.data, read(loaded, 0, self.tp.rank * n, n))
+
+    def kernel_operands(self) -> KernelOperands | None:
+        return self._kernel_operands(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -398,6 +423,10 @@ class RowParallelLinear(PackableLinear):
         if self.tp.size == 1:
             return None
         return self.tp.all_reduce_max(w.float().abs().amax(dim=1))
+
+    def kernel_operands(self) -> KernelOperands | None:
+        # One rank and no bias: the forward is the matmul alone.
+        return self._kernel_operands(None) if self.bias is None and self.tp.size == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)

@@ -63,6 +63,11 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(int8 weight, float32 scales) as ``matmul`` hands them to the project's kernel,
+        or None when it takes torch's kernel."""
+        return (self.q, self.scale_f32) if self._ops is not None else None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
         if self._ops is not None and x.dtype in (torch.float32, torch.bfloat16):

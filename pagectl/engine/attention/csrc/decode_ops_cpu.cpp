@@ -39,6 +39,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec_math.h"
 
 namespace {
@@ -167,6 +168,10 @@ void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name) {
   TORCH_CHECK(t.scalar_type() == want, name, " must have the dtype of the others");
 }
 
+}  // namespace
+
+namespace pagectl_cpu {
+
 void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                    double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "add_rms_norm_: x must be [T, H] contiguous");
@@ -227,11 +232,13 @@ void qk_norm_rope_(const at::Tensor& qkv, int64_t heads, int64_t head_dim,
   }
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+void silu_and_mul_out(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
               "silu_and_mul: x must be [T, 2d] contiguous");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, d}, x.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == d && out.is_contiguous(),
+              "silu_and_mul: out must be [T, d] contiguous");
+  check_dtype(out, x.scalar_type(), "out");
   if (x.scalar_type() == at::kFloat) {
     silu_and_mul_typed(x.data_ptr<float>(), out.data_ptr<float>(), rows, d);
   } else if (x.scalar_type() == at::kBFloat16) {
@@ -239,6 +246,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   } else {
     TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
   }
+}
+
+}  // namespace pagectl_cpu
+
+namespace {
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2d] contiguous");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  pagectl_cpu::silu_and_mul_out(x, out);
   return out;
 }
 
@@ -253,7 +270,7 @@ TORCH_LIBRARY_FRAGMENT(pagectl_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) {
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("qk_norm_rope_", &qk_norm_rope_);
+  m.impl("add_rms_norm_", &pagectl_cpu::add_rms_norm_);
+  m.impl("qk_norm_rope_", &pagectl_cpu::qk_norm_rope_);
   m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -35,6 +35,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vec_math.h"
 
 #include <algorithm>
@@ -424,6 +425,10 @@ void decode_typed(const DecodeShape& s, int64_t rows, const at::Tensor& q,
   }
 }
 
+}  // namespace
+
+namespace pagectl_cpu {
+
 void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   const at::Tensor& out) {
@@ -485,7 +490,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   }
 }
 
-}  // namespace
+}  // namespace pagectl_cpu
 
 TORCH_LIBRARY(pagectl_cpu, m) {
   m.def(
@@ -494,5 +499,5 @@ TORCH_LIBRARY(pagectl_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) {
-  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode", &pagectl_cpu::paged_decode);
 }

@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec_math.h"
 
 namespace {
@@ -328,9 +329,13 @@ void run(const float* x, int64_t m_dim, int64_t k_dim, const W* w, int64_t n_dim
   }
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& scale,
-                         const std::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace pagectl_cpu {
+
+void skinny_linear_out(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& scale,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
@@ -342,6 +347,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
               "skinny_linear: x must be float32 or bfloat16");
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
               "skinny_linear: weight must be float32, bfloat16 or int8");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m_dim && out.size(1) == n_dim &&
+                  out.is_contiguous() && out.scalar_type() == xt,
+              "skinny_linear: out must be [M, N] contiguous in x's dtype");
   const float* scale_p = nullptr;
   at::Tensor scale_f;
   if (scale.has_value() && scale->defined()) {
@@ -357,10 +365,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias_f.numel() == n_dim, "skinny_linear: bias must have N entries");
     bias_p = bias_f.data_ptr<float>();
   }
+  if (m_dim == 0 || n_dim == 0) return;
   const at::Tensor xf = xt == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  at::Tensor out = at::empty({m_dim, n_dim}, x.options());
-  if (m_dim == 0 || n_dim == 0) return out;
   auto dispatch = [&](auto* out_p) {
     if (wt == at::kFloat) {
       run(xp, m_dim, k_dim, weight.data_ptr<float>(), n_dim, scale_p, bias_p, out_p);
@@ -375,6 +382,18 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   } else {
     dispatch(out.data_ptr<c10::BFloat16>());
   }
+}
+
+}  // namespace pagectl_cpu
+
+namespace {
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& scale,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  pagectl_cpu::skinny_linear_out(x, weight, scale, bias, out);
   return out;
 }
 
