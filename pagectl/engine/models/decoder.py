@@ -7,6 +7,9 @@ only in flags (``DecoderForCausalLM`` subclasses set them) and all layers are TP
 The forward takes the whole step's packed rows (no batch dimension): ``input_ids`` and
 ``positions`` are ``[T]``; attention finds each row's sequence through ``AttentionMetadata``.
 Logits are computed separately, only for the rows that need them.
+
+On CPU, a pure decode step may run every layer in one C++ op instead of the modules
+(``layer_chain.py``; same kernels, same operands, the same output bit for bit).
 """
 
 from __future__ import annotations

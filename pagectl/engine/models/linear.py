@@ -213,7 +213,7 @@ class PackableLinear(nn.Module):
         kernel (``skinny_linear``) below ``DENSE_MIN_ROWS`` rows, or None when its forward
         does anything else there: oneDNN's packed weight, int4, torch's int8 kernel, a bias
         added after the matmul, a reduction across ranks. The model's chained decode layers
-        (``decoder.py``) multiply by these operands instead of calling the forward."""
+        (``layer_chain.py``) multiply by these operands instead of calling the forward."""
         return None
 
     def _kernel_operands(self, bias: torch.Tensor | None) -> KernelOperands | None:
