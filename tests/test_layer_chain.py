@@ -66,6 +66,7 @@ def _run_compared(core) -> int:
         ("qwen3", {}),
         ("qwen3", {"dtype": "bfloat16"}),
         ("qwen3", {"quantization": "int8"}),
+        ("qwen3", {"quantization": "int4"}),  # torch's int4 kernel, called from the op
         # q/k/v biases, no q/k norm.
         ("qwen2", {}),
         ("llama", {"dtype": "bfloat16"}),
@@ -80,7 +81,6 @@ def test_chained_decode_steps_equal_the_modules_bit_for_bit(tmp_path, arch, kw):
 @pytest.mark.parametrize(
     "kw",
     [
-        {"quantization": "int4"},  # torch's int4 kernel
         {"attention_backend": "torch"},
         {"kv_cache_dtype": "bfloat16"},  # attention in the cache's dtype
         {"dtype": "float16"},  # no fused ops

@@ -9,16 +9,16 @@ operands as the modules call them, so its output equals theirs bit for bit (the 
 compare the two).
 
 ``LayerChain.build`` says whether a model qualifies: every projection's forward is the
-project's matmul alone (``PackableLinear.kernel_operands``), the norms, SiLU and the q/k
-norm + rotation are the fused CPU ops, one rank, the CPU kernel attention backend, and KV
-caches in the model's dtype. Anything else (oneDNN-packed or int4 weights, tensor
-parallelism, another attention backend, a KV cache dtype of its own) keeps the modules'
-forward; so do steps with prefill rows and steps of ``DENSE_MIN_ROWS`` rows or more.
+project's matmul or torch's int4 kernel alone (``PackableLinear.kernel_operands``), the
+norms, SiLU and the q/k norm + rotation are the fused CPU ops, one rank, the CPU kernel
+attention backend, and KV caches in the model's dtype. Anything else (oneDNN-packed
+weights, tensor parallelism, another attention backend, a KV cache dtype of its own) keeps
+the modules' forward; so do steps with prefill rows and steps of ``DENSE_MIN_ROWS`` rows or more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,10 +38,10 @@ if TYPE_CHECKING:
 class LayerChain:
     op: Any
     # Layer 0's input norm, applied before the op as the modules apply it.
-    first_norm: RMSNorm
+    first_norm: RMSNorm = field(repr=False)
     # 15 entries per layer, in decode_layers_cpu.cpp's order.
-    params: list[torch.Tensor | None]
-    kv_caches: list[torch.Tensor]
+    params: list[torch.Tensor | None] = field(repr=False)
+    kv_caches: list[torch.Tensor] = field(repr=False)
     num_heads: int
     num_kv_heads: int
     head_dim: int

@@ -211,17 +211,19 @@ class PackableLinear(nn.Module):
     def kernel_operands(self) -> KernelOperands | None:
         """(weight, scale, bias) exactly as this layer's forward hands them to the project's
         kernel (``skinny_linear``) below ``DENSE_MIN_ROWS`` rows, or None when its forward
-        does anything else there: oneDNN's packed weight, int4, torch's int8 kernel, a bias
-        added after the matmul, a reduction across ranks. The model's chained decode layers
-        (``layer_chain.py``) multiply by these operands instead of calling the forward."""
+        does anything else there: oneDNN's packed weight, torch's int8 kernel, a bias added
+        after the matmul, a reduction across ranks. An int4 weight's operands are its packed
+        tensor and scales (``Int4Weight.kernel_operands``; the op calls torch's int4 kernel as
+        ``Int4Weight.matmul`` does). The model's chained decode layers (``layer_chain.py``)
+        multiply by these operands instead of calling the forward."""
         return None
 
     def _kernel_operands(self, bias: torch.Tensor | None) -> KernelOperands | None:
         """``kernel_operands`` of a forward that is ``_matmul(x, bias)`` alone."""
         q = self._quantized
-        if isinstance(q, Int8Weight):
+        if isinstance(q, (Int8Weight, Int4Weight)):
             operands = q.kernel_operands()
-            # The int8 path adds a bias after the matmul, in the activations' dtype.
+            # The quantized paths add a bias after the matmul, in the activations' dtype.
             return None if operands is None or bias is not None else (*operands, None)
         if q is None and self._packed is None and self._skinny is not None:
             return self.weight, None, bias

@@ -157,6 +157,11 @@ class Int4Weight:
         sz = self.scales_and_zeros
         return self.packed.numel() * self.packed.element_size() + sz.numel() * sz.element_size()
 
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed weight, scales and zeros) as ``matmul`` hands them to torch's kernel (the
+        group size is K over the scales' first dim)."""
+        return self.packed, self.scales_and_zeros
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w^T`` for 2-D ``x``, in ``x``'s dtype."""
         y = torch._weight_int4pack_mm_for_cpu(

@@ -24,11 +24,15 @@
 //   heads), o weight, o scale, o bias, post-attention norm weight, gate/up weight, gate/up
 //   scale, gate/up bias, down weight, down scale, down bias, and the next norm's weight (the
 //   next layer's input norm; the final norm after the last layer).
-// ``eps``: every norm's (the q/k norms' included). Weights are what skinny_linear takes (float32, bfloat16, or int8 with its scale).
+// ``eps``: every norm's (the q/k norms' included). Weights are what skinny_linear takes
+// (float32, bfloat16, or int8 with its scale), or an int4 weight as Int4Weight holds it
+// (uint8 [N, K / 2] packed by torch, its [K / group, N, 2] scales and zeros in the scale
+// slot), multiplied by torch's int4 kernel as Int4Weight.matmul calls it.
 // ``kv_caches``: one [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer in
 // hidden's dtype; ``slot_mapping`` int64 [T]: where each row's K and V go.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -67,6 +71,24 @@ void write_kv(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
 const at::Tensor& required(const std::optional<at::Tensor>& t, const char* what) {
   TORCH_CHECK(t.has_value() && t->defined(), "decode_layers_: ", what, " is missing");
   return *t;
+}
+
+// One projection into out: the project's matmul, or for an int4 weight torch's int4 kernel
+// with x in the scales' dtype and the result cast to out's (what Int4Weight.matmul does).
+void project(const at::Tensor& x, const at::Tensor& weight,
+             const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias,
+             const at::Tensor& out) {
+  if (weight.scalar_type() != at::kByte) {
+    pagectl_cpu::skinny_linear_out(x, weight, scale, bias, out);
+    return;
+  }
+  const at::Tensor& sz = required(scale, "an int4 weight's scales");
+  TORCH_CHECK(!(bias.has_value() && bias->defined()),
+              "decode_layers_: an int4 projection takes no bias here");
+  TORCH_CHECK(sz.dim() == 3 && sz.size(0) > 0 && x.size(1) % sz.size(0) == 0,
+              "decode_layers_: int4 scales must be [K / group, N, 2]");
+  const int64_t group = x.size(1) / sz.size(0);
+  out.copy_(at::_weight_int4pack_mm_for_cpu(x.to(sz.scalar_type()), weight, group, sz));
 }
 
 void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
@@ -117,20 +139,20 @@ void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
     const at::Tensor& cache = kv_caches[l];
     TORCH_CHECK(required(p(0), "a qkv weight").size(0) == width,
                 "decode_layers_: the qkv weight's rows differ from the heads'");
-    pagectl_cpu::skinny_linear_out(hidden, *p(0), p(1), p(2), qkv);
+    project(hidden, *p(0), p(1), p(2), qkv);
     pagectl_cpu::qk_norm_rope_(qkv, num_heads + num_kv_heads, head_dim, p(3), eps, cos, sin);
     write_kv(qkv, num_heads, num_kv_heads, head_dim, cache, slots);
     pagectl_cpu::paged_decode(q, cache, block_tables, seq_lens, scale, attn);
-    pagectl_cpu::skinny_linear_out(attn_rows, required(p(4), "an o weight"), p(5), p(6), mid);
+    project(attn_rows, required(p(4), "an o weight"), p(5), p(6), mid);
     pagectl_cpu::add_rms_norm_(mid, residual, required(p(7), "a norm weight"), eps);
     const at::Tensor gu_w = required(p(8), "a gate/up weight");
     if (!gate_up.defined() || gate_up.size(1) != gu_w.size(0)) {
       gate_up = at::empty({rows, gu_w.size(0)}, opts);
       act = at::empty({rows, gu_w.size(0) / 2}, opts);
     }
-    pagectl_cpu::skinny_linear_out(mid, gu_w, p(9), p(10), gate_up);
+    project(mid, gu_w, p(9), p(10), gate_up);
     pagectl_cpu::silu_and_mul_out(gate_up, act);
-    pagectl_cpu::skinny_linear_out(act, required(p(11), "a down weight"), p(12), p(13), hidden);
+    project(act, required(p(11), "a down weight"), p(12), p(13), hidden);
     pagectl_cpu::add_rms_norm_(hidden, residual, required(p(14), "a norm weight"), eps);
   }
 }
