@@ -2,10 +2,11 @@
 modules' output bit for bit, and are used exactly where they apply.
 
 Every chained decode step of a generation (several sequences of different lengths, blocks of
-4 slots so each crosses several blocks) is run twice on the same inputs, through the modules
-and through the chain, and the final hidden states must be equal (both write the same K/V).
-Refused shapes keep the modules' forward; a bad operand is an error, never a crash.
-(Greedy output against transformers with the chain in place: tests/test_models.py.)
+4 slots so each crosses several blocks) is run twice from the same KV caches, through the
+modules and through the chain: the final hidden states and the caches they leave must be
+equal. Refused shapes keep the modules' forward; a bad operand is an error, never a crash.
+(Greedy output against transformers with the chain in place: tests/test_llm.py,
+tests/test_bf16.py.)
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from tests.tiny_models import build_tiny_model
 
 
 def _engine(tmp_path, arch="qwen3", **kw):
-    from pagectl.engine.args import EngineArgs
-    from pagectl.engine.builder import build_engine
+    from tests.engine_cases import build_tiny_engine
 
     path = build_tiny_model(tmp_path / arch, arch, with_tokenizer=False)
-    args = EngineArgs(model=str(path), num_kv_blocks=96, block_size=4, **kw)
-    return build_engine(args).core
+    return build_tiny_engine(path, num_kv_blocks=96, block_size=4, **kw).core
 
 
 def _run_compared(core) -> int:
@@ -39,13 +38,18 @@ def _run_compared(core) -> int:
         nonlocal compared
         if not chain.applies(input_ids, meta):
             return forward(input_ids, positions, meta)
+        before = [c.clone() for c in chain.kv_caches]
         model.layer_chain = None
         try:
             want = forward(input_ids, positions, meta).clone()
         finally:
             model.layer_chain = chain
+        want_caches = [c.clone() for c in chain.kv_caches]
+        for c, b in zip(chain.kv_caches, before, strict=True):
+            c.copy_(b)
         got = forward(input_ids, positions, meta)
         assert torch.equal(got, want), (got - want).abs().max()
+        assert all(torch.equal(c, w) for c, w in zip(chain.kv_caches, want_caches, strict=True))
         compared += 1
         return got
 
@@ -106,7 +110,7 @@ def test_steps_with_prefill_rows_or_gemm_sized_are_not_chained():
 
 
 def test_a_bad_operand_is_an_error_not_a_crash(tmp_path):
-    from pagectl.engine.attention.metadata import AttentionMetadata
+    from pagectl.engine.attention.backend import DecodeGraphBuffers
 
     core = _engine(tmp_path)
     model = core.executor.model
@@ -115,30 +119,14 @@ def test_a_bad_operand_is_an_error_not_a_crash(tmp_path):
     slots = cache.shape[1] * cache.shape[2]
     d = chain.head_dim
     hidden = torch.randn(1, model.config.hidden_size)
-
-    def meta(slot: int) -> AttentionMetadata:
-        import numpy as np
-
-        return AttentionMetadata(
-            num_tokens=1,
-            num_seqs=1,
-            num_decodes=1,
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=4,
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            seq_lens=torch.tensor([1], dtype=torch.int32),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32),
-            slot_mapping=torch.tensor([slot], dtype=torch.long),
-            query_start_loc_host=np.array([0, 1]),
-            seq_lens_host=np.array([1]),
-            block_tables_host=np.zeros((1, 1), np.int64),
-        )
-
+    # One decode row of one token in block 0; its slot set per case below.
+    bufs = DecodeGraphBuffers.allocate(1, 4, 4, 0, torch.device("cpu"))
+    meta = bufs.metadata(1)
     cos, sin = torch.ones(1, d), torch.zeros(1, d)
     for slot in (slots, -1):
+        bufs.slot_mapping[0] = slot
         with pytest.raises(RuntimeError, match="out of range"):
-            chain.run(hidden.clone(), cos, sin, meta(slot))
+            chain.run(hidden.clone(), cos, sin, meta)
     with pytest.raises(RuntimeError, match="params per layer"):
         chain.op(
             hidden.clone(),
@@ -146,8 +134,8 @@ def test_a_bad_operand_is_an_error_not_a_crash(tmp_path):
             chain.params[:-1],
             chain.kv_caches,
             torch.zeros(1, dtype=torch.long),
-            meta(0).block_tables,
-            meta(0).seq_lens,
+            meta.block_tables,
+            meta.seq_lens,
             cos,
             sin,
             chain.num_heads,

@@ -268,9 +268,7 @@ class DecoderForCausalLM(nn.Module):
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = cache
             attn.backend = backend
-        self.layer_chain = (
-            LayerChain.build(self, kv_caches, backend) if self._fused_rotary else None
-        )
+        self.layer_chain = LayerChain.build(self, kv_caches, backend)
 
     def _projections(self) -> list[PackableLinear]:
         """The decoder layers' linear layers (not the LM head)."""

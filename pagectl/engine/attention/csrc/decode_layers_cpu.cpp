@@ -5,7 +5,7 @@
 //                  seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, eps, scale)
 //
 // Registered in torch.ops.pagectl_cpu; built with the other CPU kernels by
-// pagectl/engine/attention/cpu_build.py, called by pagectl/engine/models/decoder.py.
+// pagectl/engine/attention/cpu_build.py, called by pagectl/engine/models/layer_chain.py.
 //
 // The op runs the same kernels, in the same order and on the same operands, as the layer
 // modules do when each of them calls its fused op (so its output is the modules' output,
@@ -40,7 +40,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -137,9 +136,10 @@ void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
   for (int64_t l = 0; l < num_layers; ++l) {
     auto p = [&](int64_t i) { return params.get(l * kPerLayer + i); };
     const at::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(required(p(0), "a qkv weight").size(0) == width,
+    const at::Tensor qkv_w = required(p(0), "a qkv weight");
+    TORCH_CHECK(qkv_w.size(0) == width,
                 "decode_layers_: the qkv weight's rows differ from the heads'");
-    project(hidden, *p(0), p(1), p(2), qkv);
+    project(hidden, qkv_w, p(1), p(2), qkv);
     pagectl_cpu::qk_norm_rope_(qkv, num_heads + num_kv_heads, head_dim, p(3), eps, cos, sin);
     write_kv(qkv, num_heads, num_kv_heads, head_dim, cache, slots);
     pagectl_cpu::paged_decode(q, cache, block_tables, seq_lens, scale, attn);
