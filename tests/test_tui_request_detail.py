@@ -34,6 +34,12 @@ class WordDetokenizer:
         return " ".join(f"w{i}" for i in ids)
 
 
+def spotlit(app) -> set[int] | None:
+    """The block ids the block map lights, once the highlight has reached it."""
+    ids = app.block_map._spotlight_ids
+    return None if ids is None else set(ids.tolist())
+
+
 def beam_app(**kw):
     snaps = beam_snapshots()
     app, src, clock = make_app(snaps, **kw)
@@ -109,11 +115,12 @@ async def test_group_line_lights_every_beam_and_a_child_only_its_own():
         assert table.selected_line.key == GROUP_PREFIX + "beam"
         beams = [r for r in snaps[-1].requests if r.request_id == "beam"]
         every = set(np.concatenate([block_ids(r) for r in beams]).tolist())
-        assert set(app.block_map._spotlight_ids.tolist()) == every
+        assert await wait_until(pilot, lambda: spotlit(app) == every, 3.0), spotlit(app)
         await pilot.press("down")  # the best beam alone
         child = table.selected_line
         assert child.kind == "child"
-        assert set(app.block_map._spotlight_ids.tolist()) == set(block_ids(child.row).tolist())
+        own = set(block_ids(child.row).tolist())
+        assert await wait_until(pilot, lambda: spotlit(app) == own, 3.0), spotlit(app)
         assert set(block_ids(child.row).tolist()) < every
 
 
