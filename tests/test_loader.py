@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,7 +152,10 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
         assert torch.equal(pa[name], pb[name]), name
 
 
-def test_dtype_resolution(tmp_path):
+def test_dtype_resolution(monkeypatch):
+    from pagectl.engine.attention import cpu_build
+
+    monkeypatch.setattr(cpu_build, "has_bf16_instructions", lambda: False)
     cfg = ModelConfig.from_dict(
         {
             "architectures": ["Qwen3ForCausalLM"],
@@ -168,9 +173,36 @@ def test_dtype_resolution(tmp_path):
     assert resolve_dtype("float16", cfg, cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", cfg, cpu)
+    # Where the CPU multiplies bfloat16 natively, a half checkpoint runs in bfloat16 there
+    # (float16 too: it has no fast CPU path); a float32 one stays float32.
+    monkeypatch.setattr(cpu_build, "has_bf16_instructions", lambda: True)
+    assert resolve_dtype("auto", cfg, cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cfg, cuda) == torch.bfloat16
+    half = ModelConfig.from_dict({**cfg.raw, "torch_dtype": "float16"})
+    assert resolve_dtype("auto", half, cpu) == torch.bfloat16
+    f32 = ModelConfig.from_dict({**cfg.raw, "torch_dtype": "float32"})
+    assert resolve_dtype("auto", f32, cpu) == torch.float32
+    assert resolve_dtype("float32", cfg, cpu) == torch.float32
 
 
-def test_half_checkpoint_loads_as_float32_on_cpu(tmp_path):
+def test_bf16_instruction_probe_reads_the_cpu():
+    from pagectl.engine.attention import cpu_build
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or not cpuinfo.is_file():
+        pytest.skip("an x86-64 /proc/cpuinfo to compare with")
+    flags = cpuinfo.read_text().split()
+    native = "avx512_bf16" in flags or "amx_tile" in flags
+    assert cpu_build.has_bf16_instructions() == native
+    assert ("-mavx512bf16" in cpu_build.isa_flags()) == (
+        "avx512_bf16" in flags and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    )
+
+
+def test_half_checkpoint_loads_as_float32_on_cpu(tmp_path, monkeypatch):
+    from pagectl.engine.attention import cpu_build
+
+    monkeypatch.setattr(cpu_build, "has_bf16_instructions", lambda: False)
     path = build_tiny_model(tmp_path / "m", "qwen3", with_tokenizer=False)
     from transformers import AutoModelForCausalLM
 

@@ -144,6 +144,52 @@ def test_skinny_linear_matches_float32_matmul_for_every_weight_dtype():
         ops.skinny_linear(x, torch.randn(4, 32), None, None)
 
 
+def test_skinny_linear_bf16_by_bf16_rounds_the_float32_sum_once():
+    """bfloat16 x times a plain bfloat16 weight: each output is the float32 sum of the
+    exact products, scaled, biased and rounded to bfloat16 once: within one bfloat16 step
+    (2^-8 relative) of the float64 reference, plus float32 summation error. Shapes cover
+    both of the kernel's regimes (dot products below 16 rows, blocks of 16 rows from there,
+    a block of 8 at the end), partial weight tiles and chunked features."""
+    from pagectl.engine.attention import cpu_build
+
+    ops = cpu_build.load_cpu_ops()
+    assert ops is not None, "the CPU kernels did not build"
+    torch.manual_seed(1)
+    for m, n, k in [
+        (1, 53, 136),
+        (1, 200, 1024),
+        (2, 30, 40),
+        (3, 16, 8),
+        (7, 53, 136),
+        (15, 25, 520),
+        (16, 64, 512),
+        (31, 13, 72),
+        (32, 97, 136),
+        (33, 7, 64),
+        (48, 100, 520),
+        (100, 61, 1536),
+        (127, 29, 3072),
+    ]:
+        x = torch.randn(m, k).bfloat16()
+        w = torch.randn(n, k).bfloat16()
+        scale = torch.rand(n) + 0.5
+        bias = torch.randn(n)
+        ref = (x.double() @ w.double().t()) * scale.double() + bias.double()
+        for s_, b_ in ((None, None), (scale, bias)):
+            got = ops.skinny_linear(x, w, s_, b_)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            want = ref if s_ is not None else x.double() @ w.double().t()
+            tol = want.abs() * 2.0**-8 + 1e-5 * k
+            err = (got.double() - want).abs()
+            assert bool((err <= tol).all()), (m, n, k, float((err - tol).max()))
+    # A strided x is copied, not misread.
+    x = torch.randn(40, 2 * 136).bfloat16()[:, ::2]
+    w = torch.randn(20, 136).bfloat16()
+    want = x.double() @ w.double().t()
+    err = (ops.skinny_linear(x, w, None, None).double() - want).abs()
+    assert bool((err <= want.abs() * 2.0**-8 + 1e-3).all())
+
+
 def test_int4_kernel_matches_its_dequantized_weight():
     torch.manual_seed(0)
     w = torch.randn(32, 128)

@@ -105,8 +105,10 @@ async def test_a_real_beam_search_shows_as_one_group_with_text(tmp_path, tok_dir
             every = np.unique(np.concatenate([block_ids(m) for m in line.members]))
             assert await wait_until(
                 pilot,
-                lambda: app.block_map._spotlight_ids is not None
-                and np.array_equal(np.unique(app.block_map._spotlight_ids), every),
+                lambda: (
+                    app.block_map._spotlight_ids is not None
+                    and np.array_equal(np.unique(app.block_map._spotlight_ids), every)
+                ),
                 3.0,
             )
             # The beams share their prompt's blocks: fewer distinct blocks than held.

@@ -2,8 +2,8 @@
 
 - ``resolve_model_path``: a local directory, or a hub id resolved through
   ``huggingface_hub.snapshot_download`` (its cache first; a clear error when offline).
-- ``resolve_dtype``: "auto" follows the checkpoint, with half precision falling back to
-  float32 on CPU.
+- ``resolve_dtype``: "auto" follows the checkpoint; on CPU a half-precision checkpoint runs
+  in bfloat16 where the CPU multiplies bfloat16 natively, else in float32.
 - ``checkpoint_files``: single-file or sharded (``model.safetensors.index.json``) safetensors;
   ``iter_quantized_checkpoint`` yields their tensors as lazy slices, read only where a
   parameter's ``weight_loader`` asks, so a tensor-parallel rank reads just its shard
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pagectl.engine.attention import cpu_build
 from pagectl.engine.model_config import ModelConfig
 from pagectl.engine.models import get_model_class
 from pagectl.engine.models.decoder import DecoderForCausalLM
@@ -65,7 +66,12 @@ def resolve_dtype(requested: str, model_config: ModelConfig, device: torch.devic
         return _DTYPES[requested]
     dtype = _DTYPES.get(model_config.checkpoint_dtype or "float32", torch.float32)
     if device.type == "cpu" and dtype in _HALF:
-        return torch.float32  # half types are slow or unsupported in CPU matmuls
+        # float16 has no fast CPU path at all; bfloat16 is fast where the CPU has bfloat16
+        # dot products (AVX512-BF16, AMX): the project's kernel and oneDNN use them there
+        # (docs/PERFORMANCE.md, section 12). Elsewhere float32, which the kernels serve
+        # best without them. A float32 checkpoint stays float32: "auto" never rounds a
+        # checkpoint's weights.
+        return torch.bfloat16 if cpu_build.has_bf16_instructions() else torch.float32
     return dtype
 
 

@@ -1,7 +1,8 @@
 """Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention;
-``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/decode_ops_cpu.cpp``, a layer's
-fused elementwise ops; ``csrc/decode_layers_cpu.cpp``, a decode step's layers chained in one
-op) once, into one library, and loads it.
+``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/packed_bf16_linear_cpu.cpp``,
+the bfloat16 matmul over a packed weight on CPUs with AVX512-BF16;
+``csrc/decode_ops_cpu.cpp``, a layer's fused elementwise ops; ``csrc/decode_layers_cpu.cpp``,
+a decode step's layers chained in one op) once, into one library, and loads it.
 
 The source is compiled with the machine's C++ compiler against the running torch (its
 headers and libraries; no Python headers, no ninja) into a shared library that registers
@@ -54,6 +55,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 SOURCES = (
     SOURCE,
     SOURCE.parent / "skinny_linear_cpu.cpp",
+    SOURCE.parent / "packed_bf16_linear_cpu.cpp",
     SOURCE.parent / "decode_ops_cpu.cpp",
     SOURCE.parent / "decode_layers_cpu.cpp",
 )
@@ -105,7 +107,30 @@ def find_compiler() -> str | None:
 def isa_flags() -> list[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    return list(_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []))
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = list(_ISA_FLAGS.get(capability, []))
+    if capability == "AVX512" and _cpu_probe("_is_avx512_bf16_supported"):
+        flags.append("-mavx512bf16")  # packed_bf16_linear_cpu.cpp's dot products
+    return flags
+
+
+def has_bf16_instructions() -> bool:
+    """Whether this CPU multiplies bfloat16 natively: AVX512-BF16 (``vdpbf16ps``) or AMX
+    tiles, as torch detects them (cpuinfo). On such a CPU the project's bfloat16 matmul
+    takes bfloat16 dot products and ``--dtype auto`` picks bfloat16 for a half-precision
+    checkpoint (``loader.resolve_dtype``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return _cpu_probe("_is_avx512_bf16_supported") or _cpu_probe("_is_amx_tile_supported")
+
+
+def _cpu_probe(name: str) -> bool:
+    """torch.cpu's ``name()`` (a cpuinfo feature test); False where torch lacks it."""
+    fn = getattr(torch.cpu, name, None)
+    try:
+        return bool(fn()) if fn is not None else False
+    except RuntimeError:  # cpuinfo could not read the CPU
+        return False
 
 
 def compile_command(compiler: str, output: Path) -> list[str]:

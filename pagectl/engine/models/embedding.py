@@ -37,6 +37,9 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False
         )
         set_weight_loader(self.weight, self.weight_loader)
+        # The rows in the CPU kernel's packed bfloat16 layout [rows / 64, dim / 2, 64, 2],
+        # when a tied LM head packed the shared weight (``weight`` is then empty).
+        self._packed_rows: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         n = max(self.vocab_end - self.vocab_start, 0)
@@ -44,12 +47,22 @@ class VocabParallelEmbedding(nn.Module):
             param.data[n:].zero_()
         copy_checked(param.data[:n], read(loaded, 0, self.vocab_start, n))
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_rows
+        if packed is None:
+            return F.embedding(ids, self.weight)
+        # Row r lies in tile r // 64, column r % 64: its (dim / 2) pairs, gathered.
+        cols = packed.shape[2]
+        rows = packed[ids // cols, :, ids % cols]  # [..., dim / 2, 2]
+        return rows.reshape(*ids.shape, -1)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = (input_ids - self.vocab_start) * mask
-        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
 
@@ -59,6 +72,12 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.weight_is_shared = True
+        self._tied_embedding = embedding
+
+    def _share_packed(self, packed: torch.Tensor) -> None:
+        # One copy of the shared rows: the embedding gathers its rows from the packed layout.
+        if self.weight_is_shared:
+            self._tied_embedding._packed_rows = packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary, in float32, for the given hidden rows.

@@ -25,7 +25,7 @@
 //   scale, gate/up bias, down weight, down scale, down bias, and the next norm's weight (the
 //   next layer's input norm; the final norm after the last layer).
 // ``eps``: every norm's (the q/k norms' included). Weights are what skinny_linear takes
-// (float32, bfloat16, or int8 with its scale), or an int4 weight as Int4Weight holds it
+// (float32, bfloat16 plain or packed, or int8 with its scale), or an int4 weight as Int4Weight holds it
 // (uint8 [N, K / 2] packed by torch, its [K / group, N, 2] scales and zeros in the scale
 // slot), multiplied by torch's int4 kernel as Int4Weight.matmul calls it.
 // ``kv_caches``: one [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer in
@@ -90,6 +90,12 @@ void project(const at::Tensor& x, const at::Tensor& weight,
   out.copy_(at::_weight_int4pack_mm_for_cpu(x.to(sz.scalar_type()), weight, group, sz));
 }
 
+// A projection weight's output features: rows of a plain or int4 weight; N / 64 tiles of 64
+// for a packed bfloat16 one ([N / 64, K / 2, 64, 2]).
+int64_t out_features(const at::Tensor& weight) {
+  return weight.dim() == 4 ? weight.size(0) * weight.size(2) : weight.size(0);
+}
+
 void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
                     const c10::List<std::optional<at::Tensor>>& params,
                     at::TensorList kv_caches, const at::Tensor& slot_mapping,
@@ -137,7 +143,7 @@ void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
     auto p = [&](int64_t i) { return params.get(l * kPerLayer + i); };
     const at::Tensor& cache = kv_caches[l];
     const at::Tensor qkv_w = required(p(0), "a qkv weight");
-    TORCH_CHECK(qkv_w.size(0) == width,
+    TORCH_CHECK(out_features(qkv_w) == width,
                 "decode_layers_: the qkv weight's rows differ from the heads'");
     project(hidden, qkv_w, p(1), p(2), qkv);
     pagectl_cpu::qk_norm_rope_(qkv, num_heads + num_kv_heads, head_dim, p(3), eps, cos, sin);
@@ -146,9 +152,10 @@ void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,
     project(attn_rows, required(p(4), "an o weight"), p(5), p(6), mid);
     pagectl_cpu::add_rms_norm_(mid, residual, required(p(7), "a norm weight"), eps);
     const at::Tensor gu_w = required(p(8), "a gate/up weight");
-    if (!gate_up.defined() || gate_up.size(1) != gu_w.size(0)) {
-      gate_up = at::empty({rows, gu_w.size(0)}, opts);
-      act = at::empty({rows, gu_w.size(0) / 2}, opts);
+    const int64_t gu_n = out_features(gu_w);
+    if (!gate_up.defined() || gate_up.size(1) != gu_n) {
+      gate_up = at::empty({rows, gu_n}, opts);
+      act = at::empty({rows, gu_n / 2}, opts);
     }
     project(mid, gu_w, p(9), p(10), gate_up);
     pagectl_cpu::silu_and_mul_out(gate_up, act);

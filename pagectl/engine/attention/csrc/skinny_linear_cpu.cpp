@@ -22,7 +22,9 @@
 //
 // Layouts (checked at the boundary):
 //   x      [M, K] float32 or bfloat16 (copied if not contiguous); K a multiple of 8
-//   weight [N, K] float32, bfloat16 or int8, contiguous
+//   weight [N, K] float32, bfloat16 or int8, contiguous; or a bfloat16 weight packed by
+//          pack_bf16_weight ([N / 64, K / 2, 64, 2], packed_bf16_linear_cpu.cpp), for
+//          bfloat16 x, on CPUs with AVX512-BF16
 //   scale  [N] float32, required for int8 (and allowed for the others)
 //   bias   [N] any floating dtype, optional
 //   out    [M, N] in x's dtype
@@ -336,8 +338,24 @@ namespace pagectl_cpu {
 void skinny_linear_out(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& scale,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || weight.dim() == 4),
+              "skinny_linear: x must be 2-D, weight 2-D (or 4-D when packed)");
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
+  if (weight.dim() == 4) {
+    const int64_t n = weight.size(0) * weight.size(2);
+    at::Tensor scale_f, bias_f;
+    if (scale.has_value() && scale->defined()) {
+      scale_f = scale->to(at::kFloat).contiguous();
+      TORCH_CHECK(scale_f.numel() == n, "skinny_linear: scale must have N entries");
+    }
+    if (bias.has_value() && bias->defined()) {
+      bias_f = bias->to(at::kFloat).contiguous();
+      TORCH_CHECK(bias_f.numel() == n, "skinny_linear: bias must have N entries");
+    }
+    packed_bf16_linear_out(x, weight, scale_f.defined() ? scale_f.data_ptr<float>() : nullptr,
+                           bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+    return;
+  }
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = weight.size(0);
   TORCH_CHECK(weight.size(1) == k_dim, "skinny_linear: weight is [", n_dim, ", ",
               weight.size(1), "], x has ", k_dim, " features");
@@ -391,8 +409,11 @@ namespace {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x and weight must be 2-D");
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || weight.dim() == 4),
+              "skinny_linear: x must be 2-D, weight 2-D (or 4-D when packed)");
+  // A packed weight [N / 64, K / 2, 64, 2] has N = size(0) * size(2) outputs.
+  const int64_t n = weight.dim() == 4 ? weight.size(0) * weight.size(2) : weight.size(0);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
   pagectl_cpu::skinny_linear_out(x, weight, scale, bias, out);
   return out;
 }
@@ -401,6 +422,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(pagectl_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("pack_bf16_weight(Tensor weight) -> Tensor");
+  m.def("packed_bf16_available() -> bool", &pagectl_cpu::packed_bf16_available);
 }
 
-TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("pack_bf16_weight", &pagectl_cpu::pack_bf16_weight);
+}
