@@ -168,7 +168,8 @@ class EngineArgs:
     served_model_name: str | None = option(
         None, "name the API reports and accepts (default: the model's)"
     )
-    # "auto" follows the checkpoint (float32 on CPU when the checkpoint is half precision).
+    # "auto" follows the checkpoint; on CPU a half-precision checkpoint runs in bfloat16
+    # where the CPU has bf16 instructions, else in float32 (loader.resolve_dtype).
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
     # "auto": cuda when available, else cpu.
     device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")

@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``, the paged decode attention;
-``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/packed_bf16_linear_cpu.cpp``,
-the bfloat16 matmul over a packed weight on CPUs with AVX512-BF16;
+``csrc/skinny_linear_cpu.cpp``, the few-row matmul; ``csrc/packed_linear_cpu.cpp``, the
+matmul over a packed weight on AVX-512 CPUs;
 ``csrc/decode_ops_cpu.cpp``, a layer's fused elementwise ops; ``csrc/decode_layers_cpu.cpp``,
 a decode step's layers chained in one op) once, into one library, and loads it.
 
@@ -55,7 +55,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 SOURCES = (
     SOURCE,
     SOURCE.parent / "skinny_linear_cpu.cpp",
-    SOURCE.parent / "packed_bf16_linear_cpu.cpp",
+    SOURCE.parent / "packed_linear_cpu.cpp",
     SOURCE.parent / "decode_ops_cpu.cpp",
     SOURCE.parent / "decode_layers_cpu.cpp",
 )
@@ -110,7 +110,7 @@ def isa_flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = list(_ISA_FLAGS.get(capability, []))
     if capability == "AVX512" and _cpu_probe("_is_avx512_bf16_supported"):
-        flags.append("-mavx512bf16")  # packed_bf16_linear_cpu.cpp's dot products
+        flags.append("-mavx512bf16")  # packed_linear_cpu.cpp's bfloat16 dot products
     return flags
 
 

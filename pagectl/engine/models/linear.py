@@ -14,16 +14,20 @@ part of a checkpoint tensor (or lazy slice) into it. Parameters are created unin
 the loader fills all of them.
 
 On CPU, ``pack_for_cpu()`` (called by the runner after loading) picks each layer's matmul.
-A float32 or bfloat16 weight stays in its plain [N, K] layout when the project's kernel
-(``torch.ops.pagectl_cpu.skinny_linear``) loads, and the kernel multiplies by it (bfloat16
-widened to float32 in registers) below ``DENSE_MIN_ROWS`` rows; from there torch's GEMM
-takes over (a bfloat16 or int8 weight widened to float32 a slice at a time). Against
-oneDNN's packed float32 matmul, the path without the kernel, it is 1.3x (33.6M model) to
-1.6x (0.6B shape) faster at one row, 1.2-1.4x at 16 and 32, level to 0.85x between 64 and
-127, and GEMM is 0.75-0.85x of oneDNN at 128 and 512 rows (docs/PERFORMANCE.md, section 12).
-Without the kernel, a float32 weight (and a bfloat16 one where oneDNN takes it: a CPU with
-native bfloat16 instructions) moves into oneDNN's blocked layout and the plain copy is
-freed.
+On an AVX-512 CPU a float32 weight (bfloat16 too where the CPU has AVX512-BF16) whose output
+features are whole tiles of 64 moves into the project kernel's packed layout (``pack_weight``,
+``packed_linear_cpu.cpp``) and the plain copy is freed; that kernel takes every row count
+(faster than the plain kernel, oneDNN and torch's GEMM from 1 to 512 rows on the 0.6B
+shape). Otherwise a float32 or bfloat16 weight stays in its plain [N, K] layout when the
+project's kernel (``torch.ops.pagectl_cpu.skinny_linear``) loads, and the kernel multiplies
+by it (bfloat16 widened to float32 in registers) below ``DENSE_MIN_ROWS`` rows; from there
+torch's GEMM takes over (a bfloat16 or int8 weight widened to float32 a slice at a time).
+Against oneDNN's packed float32 matmul, the path without the kernel, the plain kernel is
+1.3x (33.6M model) to 1.6x (0.6B shape) faster at one row on an AVX2 CPU, 1.2-1.4x at 16 and
+32, level to 0.85x between 64 and 127, and GEMM is 0.75-0.85x of oneDNN at 128 and 512 rows
+(docs/PERFORMANCE.md, section 12). Without the kernel, a float32 weight (and a bfloat16 one
+where oneDNN takes it: a CPU with native bfloat16 instructions) moves into oneDNN's blocked
+layout and the plain copy is freed.
 
 Weight-only quantization (``pagectl/engine/quant``) replaces a layer's weight after loading:
 ``quantize()`` turns this rank's float shard into int8 or int4 (so tensor-parallel shards are
@@ -63,8 +67,8 @@ from pagectl.engine.quant.kernels import (
 DENSE_MIN_ROWS = 256
 # Elements of float32 weight widened at once (16 MiB).
 DENSE_SLICE_ELEMS = 1 << 22
-# Output features per tile of the packed bfloat16 layout (packed_bf16_linear_cpu.cpp).
-BF16_TILE_COLS = 64
+# Output features per tile of the kernel's packed layouts (packed_linear_cpu.cpp).
+PACKED_TILE_COLS = 64
 
 # What the project's kernel multiplies by: weight, scale (int8), bias.
 KernelOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -122,8 +126,8 @@ class PackableLinear(nn.Module):
         self._skinny: Any = None
         # Set by quantize(): the weight the matmul uses instead of ``weight``.
         self._quantized: QuantizedWeight | None = None
-        # A bfloat16 weight in the kernel's packed layout (``weight`` is then empty).
-        self._bf16_packed: torch.Tensor | None = None
+        # The weight in the kernel's packed layout (``weight`` is then empty).
+        self._own_packed: torch.Tensor | None = None
 
     @property
     def quantized(self) -> QuantizedWeight | None:
@@ -197,15 +201,15 @@ class PackableLinear(nn.Module):
         if w.device.type != "cpu":
             return False
         fits = w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] % 8 == 0
+        # The kernel's packed layout where this CPU has it (AVX-512; bfloat16 also needs
+        # AVX512-BF16): faster than the plain kernel and than oneDNN at every row count.
+        if own_kernel and fits and self._pack_own(w):
+            return True
         # float32: the kernel whenever it loads (it reads the same bytes as oneDNN, faster).
         if own_kernel and fits and w.dtype == torch.float32:
             self._skinny = cpu_build.load_cpu_ops()
             if self._skinny is not None:
                 return True
-        # bfloat16 on a CPU with bfloat16 dot products: the kernel's packed layout, for
-        # every row count (faster than oneDNN's packed bfloat16 from 1 to 512 rows).
-        if own_kernel and fits and w.dtype == torch.bfloat16 and self._pack_bf16(w):
-            return True
         packed = pack_cpu_weight(w)
         if packed is not None:
             self._packed = packed
@@ -216,17 +220,19 @@ class PackableLinear(nn.Module):
             self._skinny = cpu_build.load_cpu_ops()
         return self._skinny is not None
 
-    def _pack_bf16(self, w: torch.Tensor) -> bool:
-        """Move a bfloat16 ``w`` into the kernel's packed layout ([N / 64, K / 2, 64, 2],
-        ``pack_bf16_weight``) where the library has the AVX512-BF16 kernel and N is a
-        multiple of 64; the plain weight is freed (a tied head hands the packed rows to its
-        embedding first, ``ParallelLMHead``). Returns whether it did."""
+    def _pack_own(self, w: torch.Tensor) -> bool:
+        """Move ``w`` into the kernel's packed layout (``pack_weight``: bfloat16 [N / 64,
+        K / 2, 64, 2], float32 [N / 64, K, 64]) where the library has the kernel for its
+        dtype and N is a multiple of 64; the plain weight is freed (a tied head hands the
+        packed rows to its embedding first, ``ParallelLMHead``). Returns whether it did."""
         ops = cpu_build.load_cpu_ops()
-        if ops is None or w.shape[0] % BF16_TILE_COLS or not ops.packed_bf16_available():
+        if ops is None or w.shape[0] % PACKED_TILE_COLS:
+            return False
+        if not ops.packed_linear_available(w.dtype):
             return False
         self._skinny = ops
-        self._bf16_packed = ops.pack_bf16_weight(w)
-        self._share_packed(self._bf16_packed)
+        self._own_packed = ops.pack_weight(w)
+        self._share_packed(self._own_packed)
         self.weight.data = torch.empty(0, dtype=w.dtype)
         return True
 
@@ -253,8 +259,8 @@ class PackableLinear(nn.Module):
             operands = q.kernel_operands()
             # The quantized paths add a bias after the matmul, in the activations' dtype.
             return None if operands is None or bias is not None else (*operands, None)
-        if q is None and self._bf16_packed is not None:
-            return self._bf16_packed, None, bias
+        if q is None and self._own_packed is not None:
+            return self._own_packed, None, bias
         if q is None and self._packed is None and self._skinny is not None:
             return self.weight, None, bias
         return None
@@ -293,10 +299,11 @@ class PackableLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A step's activations are 2-D: no reshapes around the kernel then (each is an op).
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if self._bf16_packed is not None:
+        if self._own_packed is not None:
             # Every row count: the packed kernel is level with oneDNN's GEMM at 512 rows.
-            y = self._skinny.skinny_linear(x2.to(torch.bfloat16), self._bf16_packed, None, bias)
-            y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+            dtype = self._own_packed.dtype
+            y = self._skinny.skinny_linear(x2.to(dtype), self._own_packed, None, bias)
+            y = y if x.dtype == dtype else y.to(x.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
         if x2.shape[0] >= DENSE_MIN_ROWS and x2.device.type == "cpu":
             y = self._dense_matmul(x2, bias)

@@ -15,13 +15,14 @@ void skinny_linear_out(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& scale,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out);
 
-// packed_bf16_linear_cpu.cpp: W packed as [N / 64, K / 2, 64, 2] (pack_bf16_weight) times
-// bfloat16 x; scale and bias float32 [N] or null. packed_bf16_available() says whether this
-// build has the kernel (AVX512-BF16); without it the op refuses a packed weight.
-bool packed_bf16_available();
-at::Tensor pack_bf16_weight(const at::Tensor& weight);
-void packed_bf16_linear_out(const at::Tensor& x, const at::Tensor& packed, const float* scale,
-                            const float* bias, const at::Tensor& out);
+// packed_linear_cpu.cpp: W packed by pack_weight (bfloat16 [N / 64, K / 2, 64, 2], float32
+// [N / 64, K, 64]) times x of its dtype; scale and bias float32 [N] or null.
+// packed_linear_available(dtype) says whether this build has the kernel for dtype (bfloat16:
+// AVX512-BF16; float32: AVX-512); without it the op refuses a packed weight.
+bool packed_linear_available(at::ScalarType dtype);
+at::Tensor pack_weight(const at::Tensor& weight);
+void packed_linear_out(const at::Tensor& x, const at::Tensor& packed, const float* scale,
+                       const float* bias, const at::Tensor& out);
 
 // paged_attention_cpu.cpp: one query row per sequence, K/V read through the block table.
 void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,

@@ -51,4 +51,18 @@ inline V bf16_to_float(const void* p) {
   return v;
 }
 
+// Floats rounded to bfloat16 (to nearest, ties to even; NaN to the quiet NaN 0x7FC0), as
+// c10::BFloat16's constructor rounds, any width, stored to p. U32V and U16V are the 32- and
+// 16-bit unsigned vectors of V's width.
+template <typename V, typename U32V, typename U16V>
+inline void float_to_bf16(V v, void* p) {
+  U32V bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const U32V rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+  const U32V nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  const U32V out = nan ? U32V{} + 0x7FC0u : rounded;
+  const U16V narrow = __builtin_convertvector(out, U16V);
+  std::memcpy(p, &narrow, sizeof narrow);
+}
+
 }  // namespace pagectl_cpu

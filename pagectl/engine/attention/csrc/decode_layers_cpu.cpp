@@ -91,9 +91,9 @@ void project(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // A projection weight's output features: rows of a plain or int4 weight; N / 64 tiles of 64
-// for a packed bfloat16 one ([N / 64, K / 2, 64, 2]).
+// for a packed one ([N / 64, K / 2, 64, 2] or [N / 64, K, 64]).
 int64_t out_features(const at::Tensor& weight) {
-  return weight.dim() == 4 ? weight.size(0) * weight.size(2) : weight.size(0);
+  return weight.dim() > 2 ? weight.size(0) * weight.size(2) : weight.size(0);
 }
 
 void decode_layers_(const at::Tensor& hidden, const at::Tensor& residual,

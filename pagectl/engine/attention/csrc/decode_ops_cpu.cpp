@@ -46,6 +46,8 @@ namespace {
 
 typedef float fvec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t ivec8 __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef uint16_t u16vec8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t u32vec8 __attribute__((vector_size(8 * sizeof(uint32_t))));
 typedef float fvec1 __attribute__((vector_size(sizeof(float))));
 typedef int32_t ivec1 __attribute__((vector_size(sizeof(int32_t))));
 
@@ -138,6 +140,26 @@ inline V silu(V g) {
   return num / (1.0f + e);
 }
 
+// Eight elements as floats, and back (bfloat16 rounded to nearest even, as c10 rounds).
+inline fvec8 load8(const float* p) {
+  fvec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline fvec8 load8(const c10::BFloat16* p) {
+  return pagectl_cpu::bf16_to_float<fvec8, u16vec8, u32vec8>(p);
+}
+inline void store8(float* p, fvec8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8(c10::BFloat16* p, fvec8 v) {
+  pagectl_cpu::float_to_bf16<fvec8, u32vec8, u16vec8>(v, p);
+}
+inline fvec8 rounded8(fvec8 v, float) { return v; }
+inline fvec8 rounded8(fvec8 v, c10::BFloat16) {
+  c10::BFloat16 tmp[8];
+  store8(tmp, v);
+  return load8(tmp);
+}
+
 template <typename S>
 void silu_and_mul_typed(const S* x, S* out, int64_t rows, int64_t d) {
   for_rows(rows, 2 * d, [&](int64_t begin, int64_t end) {
@@ -147,13 +169,8 @@ void silu_and_mul_typed(const S* x, S* out, int64_t rows, int64_t d) {
       S* o = out + t * d;
       int64_t i = 0;
       for (; i + 8 <= d; i += 8) {
-        fvec8 g, u;
-        for (int j = 0; j < 8; ++j) {
-          g[j] = static_cast<float>(gate[i + j]);
-          u[j] = static_cast<float>(up[i + j]);
-        }
-        const fvec8 s = silu<fvec8, ivec8>(g);
-        for (int j = 0; j < 8; ++j) o[i + j] = static_cast<S>(rounded(s[j], S()) * u[j]);
+        const fvec8 s = silu<fvec8, ivec8>(load8(gate + i));
+        store8(o + i, rounded8(s, S()) * load8(up + i));
       }
       for (; i < d; ++i) {
         const fvec1 g = {static_cast<float>(gate[i])};

@@ -51,8 +51,10 @@ using pagectl_cpu::exp_nonpositive;
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kVectorRegs = 32;
 #else
 constexpr int kLanes = 8;
+constexpr int kVectorRegs = 16;
 #endif
 typedef float vecw __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
@@ -87,6 +89,45 @@ inline float hsum(vecw v) {
   return hsum(lo + hi);
 }
 #endif
+
+// Lane sums of kLanes vectors at once: fold_all<kLanes>(d) leaves in d[0] the vector whose
+// lane i is the sum of d[i]'s lanes (the other d[] are overwritten). Each level pairs d[i]
+// with d[i + W / 2] and adds the low and high halves of every group of W lanes of both,
+// halving the group width: kLanes - 1 pairings of two shuffles and an add, where kLanes
+// separate horizontal sums would take about twice as many operations. Pairing i with
+// i + W / 2 leaves the sums in key order.
+template <int W>
+struct FoldMasks {
+  int lo[kLanes], hi[kLanes];
+  constexpr FoldMasks() : lo(), hi() {
+    int i = 0;
+    for (int g = 0; g < kLanes / W; ++g) {
+      for (int src = 0; src < 2; ++src) {  // X's group g, then Y's
+        for (int e = 0; e < W / 2; ++e, ++i) {
+          lo[i] = src * kLanes + g * W + e;
+          hi[i] = src * kLanes + g * W + W / 2 + e;
+        }
+      }
+    }
+  }
+};
+
+template <int W>
+inline vecw fold(vecw x, vecw y) {
+  static constexpr FoldMasks<W> kMasks;
+  ivecw lo, hi;
+  std::memcpy(&lo, kMasks.lo, sizeof lo);
+  std::memcpy(&hi, kMasks.hi, sizeof hi);
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+template <int W>
+inline void fold_all(vecw* d) {
+  if constexpr (W > 1) {
+    for (int i = 0; i < W / 2; ++i) d[i] = fold<W>(d[i], d[i + W / 2]);
+    fold_all<W / 2>(d);
+  }
+}
 
 // 16 consecutive elements as floats.
 inline vecw loadw(const float* p) {
@@ -148,11 +189,18 @@ struct DecodeShape {
 struct Work {
   std::vector<vecw> qv, acc;  // [nq, head_dim / kLanes] (vector path)
   std::vector<float> qf, accf;  // [nq, head_dim] (scalar path)
-  std::vector<float> scores;    // [nq, block_size]: a block's scores, then its weights
+  std::vector<float> scores;    // [nq, score_stride]: a block's scores, then its weights
+  std::vector<vecw> dots;       // [nq, kLanes]: dot products of kLanes keys before lane sums
   std::vector<float> run_max, run_sum;  // [nq]
 };
 
-// Folds one block's scores (scores[j * bs + t], t < n) into the running softmax of each
+// Scores of one head are this far apart: the block size rounded up to whole vectors (the
+// lane sums store kLanes of them at once).
+inline int64_t score_stride(int64_t block_size) {
+  return (block_size + kLanes - 1) / kLanes * kLanes;
+}
+
+// Folds one block's scores (scores[j * bs + t], t < n; bs here is the score stride) into the running softmax of each
 // query head: replaces them by their weights exp(score - new max) and returns, through
 // alpha[j], the factor the head's accumulator must be scaled by first.
 inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, float* run_max,
@@ -195,6 +243,7 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
   const int64_t G = s.group;
   const int64_t nq = (h1 - h0) * G;  // local query head j is global head h0 * G + j
   const int64_t bs = s.block_size;
+  const int64_t ss = score_stride(bs);
   constexpr bool kVector = kChunks > 0;
   float* scores = w.scores.data();
   float* run_max = w.run_max.data();
@@ -246,50 +295,92 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     const int64_t head_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
     // Scores: each key row is loaded once for the G query heads of its KV head.
     // Token-major: a block's key rows are read in memory order (all heads of a token, then
-    // the next token).
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < h1 - h0; ++h) {
-        const scalar_t* kr = kb + t * token_stride + h * D;
-        if (t < n_next) {
-          prefetch_lines(kn + t * token_stride + h * D, head_bytes);
-        }
-        if constexpr (kVector) {
-          vecw k[kChunks];
-          for (int c = 0; c < kChunks; ++c) {
-            k[c] = loadw(kr + c * kLanes);
+    // the next token). On the vector path the keys go kLanes at a time: their dot products
+    // wait as vectors and one fold_all per query head turns them into kLanes scores.
+    for (int64_t t0 = 0; t0 < n; t0 += kVector ? kLanes : n) {
+      const int64_t t1 = kVector ? std::min<int64_t>(n, t0 + kLanes) : n;
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          const scalar_t* kr = kb + t * token_stride + h * D;
+          if (t < n_next) {
+            prefetch_lines(kn + t * token_stride + h * D, head_bytes);
           }
-          for (int64_t g = 0; g < G; ++g) {
-            const vecw* qj = w.qv.data() + (h * G + g) * kChunks;
-            // Two partial sums: half the dependent chain of one.
-            vecw dot = qj[0] * k[0];
-            vecw dot2 = vecw{};
-            for (int c = 1; c + 1 < kChunks; c += 2) {
-              dot2 += qj[c] * k[c];
-              dot += qj[c + 1] * k[c + 1];
+          if constexpr (kVector) {
+            vecw k[kChunks];
+            for (int c = 0; c < kChunks; ++c) {
+              k[c] = loadw(kr + c * kLanes);
             }
-            if constexpr (kChunks % 2 == 0) {
-              dot2 += qj[kChunks - 1] * k[kChunks - 1];
+            for (int64_t g = 0; g < G; ++g) {
+              const vecw* qj = w.qv.data() + (h * G + g) * kChunks;
+              // Two partial sums: half the dependent chain of one.
+              vecw dot = qj[0] * k[0];
+              vecw dot2 = vecw{};
+              for (int c = 1; c + 1 < kChunks; c += 2) {
+                dot2 += qj[c] * k[c];
+                dot += qj[c + 1] * k[c + 1];
+              }
+              if constexpr (kChunks % 2 == 0) {
+                dot2 += qj[kChunks - 1] * k[kChunks - 1];
+              }
+              w.dots[(h * G + g) * kLanes + (t - t0)] = dot + dot2;
             }
-            scores[(h * G + g) * bs + t] = hsum(dot + dot2);
-          }
-        } else {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qj = w.qf.data() + (h * G + g) * D;
-            float dot = 0.0f;
-            for (int64_t d = 0; d < D; ++d) {
-              dot += qj[d] * static_cast<float>(kr[d]);
+          } else {
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qj = w.qf.data() + (h * G + g) * D;
+              float dot = 0.0f;
+              for (int64_t d = 0; d < D; ++d) {
+                dot += qj[d] * static_cast<float>(kr[d]);
+              }
+              scores[(h * G + g) * ss + t] = dot;
             }
-            scores[(h * G + g) * bs + t] = dot;
           }
         }
       }
+      if constexpr (kVector) {
+        for (int64_t j = 0; j < nq; ++j) {
+          vecw* dj = w.dots.data() + j * kLanes;
+          for (int64_t t = t1 - t0; t < kLanes; ++t) dj[t] = vecw{};
+          fold_all<kLanes>(dj);
+          std::memcpy(scores + j * ss + t0, dj, sizeof(vecw));
+        }
+      }
     }
-    softmax_block(nq, bs, n, scores, run_max, run_sum, alpha_p);
-    // Values: each query head's accumulator stays in registers over the block's rows.
+    softmax_block(nq, ss, n, scores, run_max, run_sum, alpha_p);
+    // Values: each query head's accumulator stays in registers over the block's rows; on
+    // the vector path two query heads of a KV head share each value row's load (where their
+    // accumulators and the row fit the registers).
     for (int64_t h = 0; h < h1 - h0; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
+      int64_t g = 0;
+      if constexpr (kVector && 3 * kChunks <= kVectorRegs - 4) {
+        for (; g + 2 <= G; g += 2) {
+          const int64_t j = h * G + g;
+          const float* p0 = scores + j * ss;
+          const float* p1 = p0 + ss;
+          vecw a0[kChunks], a1[kChunks];
+          for (int c = 0; c < kChunks; ++c) {
+            a0[c] = w.acc[j * kChunks + c] * alpha_p[j];
+            a1[c] = w.acc[(j + 1) * kChunks + c] * alpha_p[j + 1];
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            const scalar_t* vr = vb + t * token_stride + h * D;
+            if (g == 0 && t < n_next) {
+              prefetch_lines(vn + t * token_stride + h * D, head_bytes);
+            }
+            for (int c = 0; c < kChunks; ++c) {
+              const vecw v = loadw(vr + c * kLanes);
+              a0[c] += p0[t] * v;
+              a1[c] += p1[t] * v;
+            }
+          }
+          for (int c = 0; c < kChunks; ++c) {
+            w.acc[j * kChunks + c] = a0[c];
+            w.acc[(j + 1) * kChunks + c] = a1[c];
+          }
+        }
+      }
+      for (; g < G; ++g) {
         const int64_t j = h * G + g;
-        const float* pj = scores + j * bs;
+        const float* pj = scores + j * ss;
         if constexpr (kVector) {
           vecw a[kChunks];
           for (int c = 0; c < kChunks; ++c) {
@@ -375,7 +466,10 @@ void decode_all(const DecodeShape& s, int64_t num_seqs, const scalar_t* q,
       w.qf.resize(nq * s.head_dim);
       w.accf.resize(nq + nq * s.head_dim);  // [nq] rescale factors, then [nq, head_dim]
     }
-    w.scores.resize(nq * s.block_size);
+    w.scores.resize(nq * score_stride(s.block_size));
+    if constexpr (kChunks > 0) {
+      w.dots.resize(nq * kLanes);
+    }
     w.run_max.resize(nq);
     w.run_sum.resize(nq);
     for (int64_t c = begin; c < end; ++c) {

@@ -22,9 +22,9 @@
 //
 // Layouts (checked at the boundary):
 //   x      [M, K] float32 or bfloat16 (copied if not contiguous); K a multiple of 8
-//   weight [N, K] float32, bfloat16 or int8, contiguous; or a bfloat16 weight packed by
-//          pack_bf16_weight ([N / 64, K / 2, 64, 2], packed_bf16_linear_cpu.cpp), for
-//          bfloat16 x, on CPUs with AVX512-BF16
+//   weight [N, K] float32, bfloat16 or int8, contiguous; or a weight packed by pack_weight
+//          (packed_linear_cpu.cpp: bfloat16 [N / 64, K / 2, 64, 2] on CPUs with AVX512-BF16,
+//          float32 [N / 64, K, 64] with AVX-512), for x of the same dtype
 //   scale  [N] float32, required for int8 (and allowed for the others)
 //   bias   [N] any floating dtype, optional
 //   out    [M, N] in x's dtype
@@ -338,10 +338,10 @@ namespace pagectl_cpu {
 void skinny_linear_out(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& scale,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || weight.dim() == 4),
-              "skinny_linear: x must be 2-D, weight 2-D (or 4-D when packed)");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() >= 2 && weight.dim() <= 4,
+              "skinny_linear: x must be 2-D, weight 2-D (or 3-D/4-D when packed)");
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
-  if (weight.dim() == 4) {
+  if (weight.dim() > 2) {
     const int64_t n = weight.size(0) * weight.size(2);
     at::Tensor scale_f, bias_f;
     if (scale.has_value() && scale->defined()) {
@@ -352,7 +352,7 @@ void skinny_linear_out(const at::Tensor& x, const at::Tensor& weight,
       bias_f = bias->to(at::kFloat).contiguous();
       TORCH_CHECK(bias_f.numel() == n, "skinny_linear: bias must have N entries");
     }
-    packed_bf16_linear_out(x, weight, scale_f.defined() ? scale_f.data_ptr<float>() : nullptr,
+    packed_linear_out(x, weight, scale_f.defined() ? scale_f.data_ptr<float>() : nullptr,
                            bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
     return;
   }
@@ -409,10 +409,10 @@ namespace {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || weight.dim() == 4),
-              "skinny_linear: x must be 2-D, weight 2-D (or 4-D when packed)");
-  // A packed weight [N / 64, K / 2, 64, 2] has N = size(0) * size(2) outputs.
-  const int64_t n = weight.dim() == 4 ? weight.size(0) * weight.size(2) : weight.size(0);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() >= 2 && weight.dim() <= 4,
+              "skinny_linear: x must be 2-D, weight 2-D (or 3-D/4-D when packed)");
+  // A packed weight ([N / 64, K / 2, 64, 2] or [N / 64, K, 64]) has size(0) * 64 outputs.
+  const int64_t n = weight.dim() > 2 ? weight.size(0) * weight.size(2) : weight.size(0);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   pagectl_cpu::skinny_linear_out(x, weight, scale, bias, out);
   return out;
@@ -422,11 +422,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(pagectl_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
-  m.def("pack_bf16_weight(Tensor weight) -> Tensor");
-  m.def("packed_bf16_available() -> bool", &pagectl_cpu::packed_bf16_available);
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear_available(ScalarType dtype) -> bool",
+        &pagectl_cpu::packed_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
-  m.impl("pack_bf16_weight", &pagectl_cpu::pack_bf16_weight);
+  m.impl("pack_weight", &pagectl_cpu::pack_weight);
 }
