@@ -129,6 +129,22 @@ inline void fold_all(vecw* d) {
   }
 }
 
+// q . k over kChunks vectors (two partial sums: half the dependent chain of one), as a
+// vector whose lanes sum to the dot product.
+template <int kChunks>
+inline vecw dot_chunks(const vecw* q, const vecw* k) {
+  vecw dot = q[0] * k[0];
+  vecw dot2 = vecw{};
+  for (int c = 1; c + 1 < kChunks; c += 2) {
+    dot2 += q[c] * k[c];
+    dot += q[c + 1] * k[c + 1];
+  }
+  if constexpr (kChunks % 2 == 0) {
+    if constexpr (kChunks > 1) dot2 += q[kChunks - 1] * k[kChunks - 1];
+  }
+  return dot + dot2;
+}
+
 // 16 consecutive elements as floats.
 inline vecw loadw(const float* p) {
   vecw v;
@@ -188,9 +204,9 @@ struct DecodeShape {
 // Scratch of one work item: nq = (h1 - h0) * group query heads.
 struct Work {
   std::vector<vecw> qv, acc;  // [nq, head_dim / kLanes] (vector path)
+
   std::vector<float> qf, accf;  // [nq, head_dim] (scalar path)
   std::vector<float> scores;    // [nq, score_stride]: a block's scores, then its weights
-  std::vector<vecw> dots;       // [nq, kLanes]: dot products of kLanes keys before lane sums
   std::vector<float> run_max, run_sum;  // [nq]
 };
 
@@ -293,55 +309,70 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     const scalar_t* kn = k_cache + next;
     const scalar_t* vn = v_cache + next;
     const int64_t head_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-    // Scores: each key row is loaded once for the G query heads of its KV head.
-    // Token-major: a block's key rows are read in memory order (all heads of a token, then
-    // the next token). On the vector path the keys go kLanes at a time: their dot products
-    // wait as vectors and one fold_all per query head turns them into kLanes scores.
-    for (int64_t t0 = 0; t0 < n; t0 += kVector ? kLanes : n) {
-      const int64_t t1 = kVector ? std::min<int64_t>(n, t0 + kLanes) : n;
-      for (int64_t t = t0; t < t1; ++t) {
+    // Scores. Vector path: kLanes keys at a time, for each KV head and each pair of its
+    // query heads (both kept in registers, so each key row is loaded once per pair): the
+    // keys' dot products wait as vectors and fold_all turns them into kLanes scores. The
+    // next block's key rows are prefetched as the keys go. Scalar path: key by key.
+    if constexpr (kVector) {
+      for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+        const int64_t nt = std::min<int64_t>(kLanes, n - t0);
+        for (int64_t t = t0; t < t0 + nt && t < n_next; ++t) {
+          for (int64_t h = 0; h < h1 - h0; ++h) {
+            prefetch_lines(kn + t * token_stride + h * D, head_bytes);
+          }
+        }
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          const scalar_t* kh = kb + t0 * token_stride + h * D;
+          int64_t g = 0;
+          for (; g + 2 <= G; g += 2) {
+            const int64_t j = h * G + g;
+            vecw qa[kChunks], qb[kChunks], da[kLanes], db[kLanes];
+            for (int c = 0; c < kChunks; ++c) {
+              qa[c] = w.qv[j * kChunks + c];
+              qb[c] = w.qv[(j + 1) * kChunks + c];
+            }
+            for (int64_t t = 0; t < nt; ++t) {
+              vecw k[kChunks];
+              for (int c = 0; c < kChunks; ++c) k[c] = loadw(kh + t * token_stride + c * kLanes);
+              da[t] = dot_chunks<kChunks>(qa, k);
+              db[t] = dot_chunks<kChunks>(qb, k);
+            }
+            for (int64_t t = nt; t < kLanes; ++t) da[t] = db[t] = vecw{};
+            fold_all<kLanes>(da);
+            fold_all<kLanes>(db);
+            std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
+            std::memcpy(scores + (j + 1) * ss + t0, db, sizeof(vecw));
+          }
+          for (; g < G; ++g) {
+            const int64_t j = h * G + g;
+            vecw qa[kChunks], da[kLanes];
+            for (int c = 0; c < kChunks; ++c) qa[c] = w.qv[j * kChunks + c];
+            for (int64_t t = 0; t < nt; ++t) {
+              vecw k[kChunks];
+              for (int c = 0; c < kChunks; ++c) k[c] = loadw(kh + t * token_stride + c * kLanes);
+              da[t] = dot_chunks<kChunks>(qa, k);
+            }
+            for (int64_t t = nt; t < kLanes; ++t) da[t] = vecw{};
+            fold_all<kLanes>(da);
+            std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
+          }
+        }
+      }
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
         for (int64_t h = 0; h < h1 - h0; ++h) {
           const scalar_t* kr = kb + t * token_stride + h * D;
           if (t < n_next) {
             prefetch_lines(kn + t * token_stride + h * D, head_bytes);
           }
-          if constexpr (kVector) {
-            vecw k[kChunks];
-            for (int c = 0; c < kChunks; ++c) {
-              k[c] = loadw(kr + c * kLanes);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qj = w.qf.data() + (h * G + g) * D;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              dot += qj[d] * static_cast<float>(kr[d]);
             }
-            for (int64_t g = 0; g < G; ++g) {
-              const vecw* qj = w.qv.data() + (h * G + g) * kChunks;
-              // Two partial sums: half the dependent chain of one.
-              vecw dot = qj[0] * k[0];
-              vecw dot2 = vecw{};
-              for (int c = 1; c + 1 < kChunks; c += 2) {
-                dot2 += qj[c] * k[c];
-                dot += qj[c + 1] * k[c + 1];
-              }
-              if constexpr (kChunks % 2 == 0) {
-                dot2 += qj[kChunks - 1] * k[kChunks - 1];
-              }
-              w.dots[(h * G + g) * kLanes + (t - t0)] = dot + dot2;
-            }
-          } else {
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qj = w.qf.data() + (h * G + g) * D;
-              float dot = 0.0f;
-              for (int64_t d = 0; d < D; ++d) {
-                dot += qj[d] * static_cast<float>(kr[d]);
-              }
-              scores[(h * G + g) * ss + t] = dot;
-            }
+            scores[(h * G + g) * ss + t] = dot;
           }
-        }
-      }
-      if constexpr (kVector) {
-        for (int64_t j = 0; j < nq; ++j) {
-          vecw* dj = w.dots.data() + j * kLanes;
-          for (int64_t t = t1 - t0; t < kLanes; ++t) dj[t] = vecw{};
-          fold_all<kLanes>(dj);
-          std::memcpy(scores + j * ss + t0, dj, sizeof(vecw));
         }
       }
     }
@@ -467,9 +498,6 @@ void decode_all(const DecodeShape& s, int64_t num_seqs, const scalar_t* q,
       w.accf.resize(nq + nq * s.head_dim);  // [nq] rescale factors, then [nq, head_dim]
     }
     w.scores.resize(nq * score_stride(s.block_size));
-    if constexpr (kChunks > 0) {
-      w.dots.resize(nq * kLanes);
-    }
     w.run_max.resize(nq);
     w.run_sum.resize(nq);
     for (int64_t c = begin; c < end; ++c) {
