@@ -49,7 +49,7 @@ def _kernels(x, w, packed, q8, q4) -> dict:
         "f32 packed": (lambda: packed_linear(x, packed)) if packed is not None else None,
         "f32": lambda: F.linear(x, w),
         "bf16": lambda: F.linear(xb, wb),
-        "int8 f32-act": lambda: torch._weight_int8pack_mm(x, q8.q, q8.scale.float()),
+        "int8 f32-act": lambda: torch._weight_int8pack_mm(x, q8.plain(), q8.scale.float()),
         "int8 bf16-act": lambda: q8.matmul(x),
         "int4 f32-act": lambda: torch._weight_int4pack_mm_for_cpu(
             x, q4.packed, 128, q4.scales_and_zeros.float()

@@ -1,5 +1,5 @@
 """The packed matmul (``csrc/packed_linear_cpu.cpp``): bfloat16 on CPUs with AVX512-BF16,
-float32 on AVX-512 CPUs. The layouts ``pack_weight`` writes, the op's result against a
+float32 and int8 on AVX-512 CPUs. The layouts ``pack_weight`` writes, the op's result against a
 float64 reference, the layers that take it (and those that keep the plain weight), and a
 tied LM head whose embedding gathers its rows from the packed copy. Each case is skipped
 where the library has no such kernel: there the plain kernels run (test_quant.py)."""
@@ -42,7 +42,7 @@ def test_pack_lays_out_steps_of_64_features():
         assert torch.equal(p[t, pair, col, half], w[64 * t + col, 2 * pair + half])
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ops.pack_weight(torch.zeros(96, 16, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+    with pytest.raises(RuntimeError, match="bfloat16, float32 or int8"):
         ops.pack_weight(torch.zeros(64, 16, dtype=torch.float16))
 
 
@@ -88,6 +88,41 @@ def test_packed_matmul_rounds_the_float32_sum_once(dtype):
         ops.skinny_linear(torch.randn(2, 32).to(other), packed, None, None)
     with pytest.raises(RuntimeError, match="input features"):
         ops.skinny_linear(torch.randn(2, 16).to(dtype), packed, None, None)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_packed_int8_applies_its_scale_to_the_float32_sum(x_dtype):
+    """int8 weights (exact in float32) times float32 or bfloat16 x: the float32 sum times
+    each output's scale, in x's dtype; the layout is float32's ([N / 64, K, 64])."""
+    ops = _ops(torch.int8)
+    torch.manual_seed(3)
+    for m, n, k in [(1, 64, 8), (1, 128, 1032), (4, 64, 136), (13, 192, 1024), (70, 64, 520)]:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale = torch.rand(n) / 50
+        packed = ops.pack_weight(q)
+        assert packed.shape == (n // 64, k, 64) and torch.equal(packed[0, :, 5], q[5])
+        x = torch.randn(m, k).to(x_dtype)
+        want = x.double() @ (q.double() * scale.double()[:, None]).t()
+        got = ops.skinny_linear(x, packed, scale, None)
+        assert got.dtype == x_dtype and _close(got, want, k), (m, n, k)
+    with pytest.raises(RuntimeError, match="needs its scale"):
+        ops.skinny_linear(torch.randn(2, 8), ops.pack_weight(q[:, :8]), None, None)
+
+
+def test_int8_weight_packs_and_dequantizes_to_its_plain_values():
+    from pagectl.engine.quant.kernels import Int8Weight
+
+    _ops(torch.int8)
+    torch.manual_seed(4)
+    w = torch.randn(128, 96)
+    q8 = Int8Weight.quantize(w)
+    assert q8.is_packed and q8.q.shape == (2, 96, 64)
+    plain = torch.round(w / (w.abs().amax(1) / 127).clamp(min=1e-12)[:, None]).to(torch.int8)
+    assert torch.equal(q8.plain(), plain)
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(q8.matmul(x), x @ q8.dequantize().t(), rtol=1e-5, atol=1e-4)
+    # 80 outputs: not whole tiles, the plain layout stays.
+    assert not Int8Weight.quantize(torch.randn(80, 96)).is_packed
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

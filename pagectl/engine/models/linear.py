@@ -269,6 +269,8 @@ class PackableLinear(nn.Module):
         """``x W^T + b`` by float32 GEMM over float32 slices of a bfloat16 or int8 weight, or
         None when this layer's weight is neither (a plain float32 weight: straight to GEMM)."""
         q = self._quantized
+        if isinstance(q, Int8Weight) and q.is_packed:
+            return None  # the packed kernel takes every row count
         if isinstance(q, Int8Weight):
             n = q.out_features
 

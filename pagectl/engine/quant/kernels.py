@@ -13,9 +13,9 @@ model casts a layer's input to bfloat16 and the output back. Scales are stored r
 bfloat16 (the kernels require the activation dtype).
 
 int8 prefers the project's own CPU kernel, ``torch.ops.pagectl_cpu.skinny_linear``
-(``attention/csrc/skinny_linear_cpu.cpp``, built with the attention kernel): it reads the
-same ``[N, K]`` int8 weight, takes float32 or bfloat16 activations as they are and
-accumulates in float32, and is faster than ``_weight_int8pack_mm`` at every batch size
+(``attention/csrc/skinny_linear_cpu.cpp``, built with the attention kernel; on an AVX-512
+CPU the weight is packed for ``packed_linear_cpu.cpp`` first): it reads the int8 weight,
+takes float32 or bfloat16 activations as they are and accumulates in float32, and is faster than ``_weight_int8pack_mm`` at every batch size
 measured (docs/PERFORMANCE.md). torch's kernel is the fallback where that library cannot be
 built. Either way a quantized layer computes its dequantized weight (``dequantize()``)
 applied to its input, accumulated in float32: the input rounded to bfloat16 first on the
@@ -38,13 +38,22 @@ class Int8Weight:
     """An int8 weight ``[N, K]`` with one scale per output row."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        self.q = q.contiguous()  # int8 [N, K]
+        # int8 [N, K]; or, where the project's packed kernel runs (an AVX-512 CPU, N a
+        # multiple of 64), int8 [N / 64, K, 64] in its layout (``pack_weight``).
+        self.q = q.contiguous()
         self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
-        self.out_features = q.shape[0]
+        self.out_features, self.in_features = q.shape
         # The project kernel (None: torch's), and the same scales in float32 for it.
         cpu = self.q.device.type == "cpu" and q.shape[1] % 8 == 0
         self._ops = cpu_build.load_cpu_ops() if cpu else None
         self.scale_f32 = self.scale.float()
+        self.is_packed = (
+            self._ops is not None
+            and q.shape[0] % 64 == 0
+            and bool(self._ops.packed_linear_available(torch.int8))
+        )
+        if self.is_packed:
+            self.q = self._ops.pack_weight(self.q)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
@@ -57,15 +66,21 @@ class Int8Weight:
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scale)
 
+    def plain(self) -> torch.Tensor:
+        """The int8 weight as [N, K] (a copy when it is packed)."""
+        if not self.is_packed:
+            return self.q
+        return self.q.permute(0, 2, 1).reshape(self.out_features, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        return self.plain().float() * self.scale.float()[:, None]
 
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(int8 weight, float32 scales) as ``matmul`` hands them to the project's kernel,
-        or None when it takes torch's kernel."""
+        """(int8 weight, plain or packed, and float32 scales) as ``matmul`` hands them to
+        the project's kernel, or None when it takes torch's kernel."""
         return (self.q, self.scale_f32) if self._ops is not None else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
