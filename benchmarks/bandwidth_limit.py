@@ -62,6 +62,8 @@ def weight_bytes_per_token(model) -> int:
             total += m.quantized.nbytes()
         elif m._packed is not None:
             total += m._packed.numel() * m._packed.element_size()
+        elif m._own_packed is not None:
+            total += m._own_packed.numel() * m._own_packed.element_size()
         else:
             total += m.weight.numel() * m.weight.element_size()
     return total
