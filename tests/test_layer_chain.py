@@ -77,8 +77,16 @@ def _run_compared(core) -> int:
     ],
 )
 def test_chained_decode_steps_equal_the_modules_bit_for_bit(tmp_path, arch, kw):
+    from pagectl.engine.models.linear import PackableLinear
+
     core = _engine(tmp_path, arch, **kw)
-    assert core.executor.model.layer_chain is not None
+    model = core.executor.model
+    if any(isinstance(m, PackableLinear) and m._packed is not None for m in model.modules()):
+        # oneDNN took the weights (bfloat16 on an AVX-512 CPU whose kernel build has no
+        # AVX512-BF16): a path the op does not chain (test_what_the_op_does_not_do...).
+        assert model.layer_chain is None
+        pytest.skip("oneDNN's packed weights: not chained on this CPU")
+    assert model.layer_chain is not None
     assert _run_compared(core) > 10
 
 

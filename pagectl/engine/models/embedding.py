@@ -72,12 +72,13 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.weight_is_shared = True
-        self._tied_embedding = embedding
+        # A plain reference, not a child module (the embedding is registered in the model).
+        self._tied_to: tuple[VocabParallelEmbedding, ...] = (embedding,)
 
     def _share_packed(self, packed: torch.Tensor) -> None:
         # One copy of the shared rows: the embedding gathers its rows from the packed layout.
         if self.weight_is_shared:
-            self._tied_embedding._packed_rows = packed
+            self._tied_to[0]._packed_rows = packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary, in float32, for the given hidden rows.
