@@ -47,13 +47,14 @@ class Int8Weight:
         cpu = self.q.device.type == "cpu" and q.shape[1] % 8 == 0
         self._ops = cpu_build.load_cpu_ops() if cpu else None
         self.scale_f32 = self.scale.float()
+        ops = self._ops
         self.is_packed = (
-            self._ops is not None
+            ops is not None
             and q.shape[0] % 64 == 0
-            and bool(self._ops.packed_linear_available(torch.int8))
+            and bool(ops.packed_linear_available(torch.int8))
         )
-        if self.is_packed:
-            self.q = self._ops.pack_weight(self.q)
+        if ops is not None and self.is_packed:
+            self.q = ops.pack_weight(self.q)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:

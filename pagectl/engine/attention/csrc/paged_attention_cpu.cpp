@@ -7,8 +7,12 @@
 // threads, a range of its KV heads). All query heads of the item are processed together,
 // the query heads that share a KV head (the GQA group) included, so every cached K/V row is
 // read once per layer and step. Keys are visited block by block in block-table order, the
-// next blocks prefetched (scattered blocks defeat the hardware prefetcher at each jump);
-// the softmax is online (a running max and sum per query head; the
+// next blocks prefetched (scattered blocks defeat the hardware prefetcher at each jump).
+// Within a block, each KV head's key rows are multiplied by its query heads two at a time,
+// both kept in registers (each key row loaded once per pair); the dot products of a
+// register's width of keys wait as vectors and one shuffle-and-add network (fold_all) turns
+// them into that many scores, where a horizontal sum per key cost twice the operations.
+// Value rows are likewise loaded once per pair of query heads. The softmax is online (a running max and sum per query head; the
 // accumulator is rescaled when the max grows), all in float32 whatever the cache dtype.
 // Work items are split among torch's intra-op threads in contiguous ranges of about equal
 // key counts, so that the sorted short and long sequences balance.
