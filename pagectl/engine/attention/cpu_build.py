@@ -58,6 +58,7 @@ SOURCES = (
     SOURCE.parent / "packed_linear_cpu.cpp",
     SOURCE.parent / "decode_ops_cpu.cpp",
     SOURCE.parent / "decode_layers_cpu.cpp",
+    SOURCE.parent / "prefill_attention_cpu.cpp",
 )
 HEADERS = (SOURCE.parent / "cpu_vec_math.h", SOURCE.parent / "cpu_kernels.h")
 LIBRARY_NAME = "pagectl_cpu_attention"

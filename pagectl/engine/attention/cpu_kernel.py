@@ -3,9 +3,12 @@
 Decode rows (one query each) go to ``torch.ops.pagectl_cpu.paged_decode``
 (``csrc/paged_attention_cpu.cpp``), which reads each sequence's keys and values in place
 through its block table: no gathered copy, no padding to a group's longest sequence, and
-the query heads of a GQA group share each K/V read. Prefill rows stay on the torch
-backend's path (one SDPA per sequence): they are few per step and compute-bound, where
-SDPA's blocked matmuls beat a row-by-row kernel.
+the query heads of a GQA group share each K/V read. Prefill rows go, one sequence at a time,
+to ``torch.ops.pagectl_cpu.prefill_attention`` (``csrc/prefill_attention_cpu.cpp``: key
+tiles shared by blocks of query rows, causal with the cached context), over the step's own
+K/V or, with cached context, the sequence's K/V gathered from its blocks as the torch
+backend gathers them; where it does not apply (a build without AVX-512, float16, a head
+size it lacks) they take the torch backend's SDPA.
 
 The kernel is built on first use (``cpu_build.py``); ``attention.select_backend`` picks
 this backend for "auto" on CPU only when the kernel loads and passes a self-check.
@@ -18,9 +21,12 @@ from typing import Any
 import torch
 
 from pagectl.engine.attention.metadata import AttentionMetadata
-from pagectl.engine.attention.torch_paged import DecodeGroup, TorchPagedAttention
+from pagectl.engine.attention.torch_paged import DecodeGroup, PrefillSeq, TorchPagedAttention
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What prefill_attention takes (csrc/prefill_attention_cpu.cpp); the rest keeps SDPA.
+PREFILL_DTYPES = (torch.float32, torch.bfloat16)
+PREFILL_HEAD_DIMS = frozenset([*range(16, 129, 16), 192, 256])
 
 
 class CpuKernelPagedAttention(TorchPagedAttention):
@@ -30,6 +36,45 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         """``ops``: the loaded ``torch.ops.pagectl_cpu`` namespace."""
         super().__init__(device)
         self._decode = ops.paged_decode
+        # The prefill kernel where it was built for AVX-512 (elsewhere SDPA is faster).
+        fast = getattr(ops, "prefill_attention_fast", None)
+        self._prefill = ops.prefill_attention if fast is not None and fast() else None
+
+    def attend_prefills(  # type: ignore[override]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prefills: list[PrefillSeq],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        head_dim = q.shape[-1]
+        if (
+            self._prefill is None
+            or q.dtype not in PREFILL_DTYPES
+            or not (k.dtype == v.dtype == kv_cache.dtype == out.dtype == q.dtype)
+            or head_dim not in PREFILL_HEAD_DIMS
+        ):
+            TorchPagedAttention.attend_prefills(q, k, v, kv_cache, prefills, scale, out)
+            return
+        num_kv_heads = kv_cache.shape[-2]
+        for p in prefills:
+            if p.blocks is None:
+                keys, values = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
+            else:
+                keys = kv_cache[0].index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)
+                values = kv_cache[1].index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)
+                keys, values = keys[: p.seq_len], values[: p.seq_len]
+            self._prefill(
+                q[p.q_start : p.q_end],
+                keys,
+                values,
+                p.seq_len - (p.q_end - p.q_start),
+                scale,
+                out[p.q_start : p.q_end],
+            )
 
     def plan_decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
         # The kernel needs nothing beyond the metadata's block tables and lengths.
