@@ -2,9 +2,11 @@
 
 Builds the projections of ``qwen3-33m`` or ``qwen3-0.6b`` (every layer's qkv, o, gate/up and
 down, random weights; the LM head with ``--lm-head``) as the engine's own layers, stored as
-the engine stores them after loading (``pack_for_cpu``: float32 and bfloat16 plain for the
-project's kernel, load-time int8 and int4; ``float32-onednn`` is float32 in oneDNN's packed
-layout, the path without the project's kernel, for comparison), and times
+the engine stores them after loading (``pack_for_cpu``: float32, bfloat16 and load-time int8
+in the project kernel's packed layout on an AVX-512 CPU, else plain; int4 for torch's
+kernel). For comparison: ``*-plain`` keeps the plain [N, K] layout for the project's plain
+kernel, ``*-onednn`` moves float32 or bfloat16 into oneDNN's packed layout (the path without
+the project's kernel; bfloat16 only where oneDNN takes it). It times
 ``layer(x)`` over all of them for ``M`` rows of x: the matmul time of a step of M tokens.
 Prints ms per pass (median of ``--rounds``) and the weight bytes read per second. Whether
 those bytes come from memory depends on the shape: the 0.6B shape's layers (0.44-1.76 GB)
@@ -12,6 +14,8 @@ are far larger than the caches; the 33.6M model's float32 layers (101 MB) are to
 int8 and int4 ones (25 and 13 MB) fit a 32 MiB L3, so there the figure is partly the cache's.
 
     python benchmarks/matmul_pass.py --model-shape qwen3-33m --rows 1,4,16,64,256,512
+    python benchmarks/matmul_pass.py --model-shape qwen3-0.6b --rows 1,4,16,32,128,512 \
+        --formats bfloat16,bfloat16-plain,bfloat16-onednn --rounds 3
     GOMP_SPINCOUNT=10000 python benchmarks/matmul_pass.py --rows 1,16
 
 Formats interleave within each round so a drifting load hits them alike.
@@ -30,13 +34,24 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from pagectl.engine.models.linear import ColumnParallelLinear  # noqa: E402
+from pagectl.engine.quant.kernels import Int8Weight  # noqa: E402
 
 # (hidden, layers, q heads, kv heads, head_dim, intermediate, vocab)
 SHAPES = {
     "qwen3-33m": (512, 8, 8, 4, 64, 1536, 16384),
     "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936),
 }
-FORMATS = ("float32", "float32-onednn", "bfloat16", "int8", "int4")
+FORMATS = (
+    "float32",
+    "float32-plain",
+    "float32-onednn",
+    "bfloat16",
+    "bfloat16-plain",
+    "bfloat16-onednn",
+    "int8",
+    "int8-plain",
+    "int4",
+)
 
 
 def layer_shapes(name: str, lm_head: bool) -> list[tuple[int, int]]:
@@ -52,11 +67,15 @@ def build(shapes: list[tuple[int, int]], fmt: str, seed: int) -> list[ColumnPara
     for n, k in shapes:
         layer = ColumnParallelLinear(k, n, params_dtype=torch.float32)
         layer.weight.data.copy_(torch.randn(n, k, generator=g) / k**0.5)
-        if fmt in ("int8", "int4"):
-            layer.quantize(fmt, 128)
-        elif fmt == "bfloat16":
+        base, _, path = fmt.partition("-")
+        if base in ("int8", "int4"):
+            layer.quantize(base, 128)
+            q = layer.quantized
+            if path == "plain" and isinstance(q, Int8Weight) and q.is_packed:
+                q.q, q.is_packed = q.plain().contiguous(), False
+        elif base == "bfloat16":
             layer.weight.data = layer.weight.data.bfloat16()
-        layer.pack_for_cpu(own_kernel=fmt != "float32-onednn")
+        layer.pack_for_cpu(own_kernel=path != "onednn", packed_layout=path != "plain")
         layers.append(layer)
     return layers
 
@@ -65,7 +84,7 @@ def weight_bytes(layer: ColumnParallelLinear) -> int:
     q = layer.quantized
     if q is not None:
         return q.nbytes()
-    packed = layer._packed
+    packed = layer._packed if layer._packed is not None else layer._own_packed
     w = packed if packed is not None else layer.weight
     return w.numel() * w.element_size()
 
@@ -100,7 +119,7 @@ def main() -> None:
         times: dict[str, list[float]] = {f: [] for f in formats}
         for _ in range(args.rounds + 1):  # the first round warms up
             for f in formats:
-                xs = inputs[torch.bfloat16 if f == "bfloat16" else torch.float32]
+                xs = inputs[torch.bfloat16 if f.startswith("bfloat16") else torch.float32]
                 t0 = time.perf_counter()
                 for layer, (_, k) in zip(built[f], shapes, strict=True):
                     layer(xs[k])

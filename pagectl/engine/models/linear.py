@@ -188,11 +188,12 @@ class PackableLinear(nn.Module):
         rows). Row-parallel layers override it."""
         return None
 
-    def pack_for_cpu(self, own_kernel: bool = True) -> bool:
+    def pack_for_cpu(self, own_kernel: bool = True, packed_layout: bool = True) -> bool:
         """Switch to the CPU matmul path (module docstring); frees the plain weight when it
-        moves into oneDNN's layout, unless it is shared. Returns whether it switched (never
+        moves into another layout, unless it is shared. Returns whether it switched (never
         for a quantized layer, which has its own kernel). ``own_kernel=False`` takes
-        oneDNN's path wherever it packs the weight (benchmarks compare the two)."""
+        oneDNN's path wherever it packs the weight, ``packed_layout=False`` the project's
+        plain kernel where it would pack (benchmarks compare the paths)."""
         if self._quantized is not None:
             return False
         if self._packed is not None or self._skinny is not None:
@@ -203,10 +204,12 @@ class PackableLinear(nn.Module):
         fits = w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] % 8 == 0
         # The kernel's packed layout where this CPU has it (AVX-512; bfloat16 also needs
         # AVX512-BF16): faster than the plain kernel and than oneDNN at every row count.
-        if own_kernel and fits and self._pack_own(w):
+        if own_kernel and packed_layout and fits and self._pack_own(w):
             return True
-        # float32: the kernel whenever it loads (it reads the same bytes as oneDNN, faster).
-        if own_kernel and fits and w.dtype == torch.float32:
+        # float32 (and bfloat16 when the packed layout is declined): the plain kernel
+        # whenever it loads (it reads the same bytes as oneDNN, faster).
+        plain = w.dtype == torch.float32 or not packed_layout
+        if own_kernel and fits and plain:
             self._skinny = cpu_build.load_cpu_ops()
             if self._skinny is not None:
                 return True
