@@ -98,12 +98,17 @@ def test_prefill_attention_refuses_what_it_cannot_do():
 
 
 def test_backend_sends_prefills_to_the_kernel_and_float16_to_sdpa(monkeypatch):
+    """Where the build's rule (``prefill_attention_fast``) takes them: every prefill on
+    AVX-512 (2), prompts without cached context on AVX2 (1, the other to SDPA). With the
+    rule widened, the kernel's cached-context path through the backend (keys gathered from
+    the blocks) matches the reference on any build."""
     from pagectl.engine.attention.cpu_kernel import CpuKernelPagedAttention
     from pagectl.engine.attention.torch_paged import PrefillSeq, TorchPagedAttention
 
     ops = _ops()
-    if not ops.prefill_attention_fast():
-        pytest.skip("the kernel is built without AVX-512: prefills stay on SDPA")
+    fast = int(ops.prefill_attention_fast())
+    if fast == 0:
+        pytest.skip("the kernel is built without AVX2 or AVX-512: prefills stay on SDPA")
     backend = CpuKernelPagedAttention(torch.device("cpu"), ops)
     calls = []
     monkeypatch.setattr(
@@ -122,12 +127,20 @@ def test_backend_sends_prefills_to_the_kernel_and_float16_to_sdpa(monkeypatch):
         PrefillSeq(0, 6, 6, 0, None, None),
         PrefillSeq(6, 9, 8, 5, torch.tensor([2, 0]), None),
     ]
-    out = torch.empty_like(q)
-    backend.attend_prefills(q, k, v, cache, prefills, 0.2, out)
-    assert calls == []
-    torch.testing.assert_close(out[:6], _reference(q[:6], k[:6], v[:6], 0, 0.2))
     keys = cache[0, [2, 0]].reshape(-1, 2, 32)
     values = cache[1, [2, 0]].reshape(-1, 2, 32)
-    torch.testing.assert_close(out[6:], _reference(q[6:], keys, values, 5, 0.2))
+    for with_context in sorted({fast > 1, True}):
+        backend._prefill_with_context = with_context
+        calls.clear()
+        out = torch.full_like(q, float("nan"))
+        backend.attend_prefills(q, k, v, cache, prefills, 0.2, out)
+        torch.testing.assert_close(out[:6], _reference(q[:6], k[:6], v[:6], 0, 0.2))
+        if with_context:
+            assert calls == []
+            torch.testing.assert_close(out[6:], _reference(q[6:], keys, values, 5, 0.2))
+        else:
+            assert len(calls) == 1 and [id(p) for p in calls[0][4]] == [id(prefills[1])]
+            assert out[6:].isnan().all()
+    calls.clear()
     backend.attend_prefills(q.half(), k.half(), v.half(), cache.half(), prefills, 0.2, out.half())
     assert len(calls) == 1

@@ -7,8 +7,8 @@ the query heads of a GQA group share each K/V read. Prefill rows go, one sequenc
 to ``torch.ops.pagectl_cpu.prefill_attention`` (``csrc/prefill_attention_cpu.cpp``: key
 tiles shared by blocks of query rows, causal with the cached context), over the step's own
 K/V or, with cached context, the sequence's K/V gathered from its blocks as the torch
-backend gathers them; where it does not apply (a build without AVX-512, float16, a head
-size it lacks) they take the torch backend's SDPA.
+backend gathers them; where it does not apply (float16, a head size it lacks, a build it
+is slower than SDPA in: ``prefill_attention_fast``, below) they take the torch backend's SDPA.
 
 The kernel is built on first use (``cpu_build.py``); ``attention.select_backend`` picks
 this backend for "auto" on CPU only when the kernel loads and passes a self-check.
@@ -36,9 +36,11 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         """``ops``: the loaded ``torch.ops.pagectl_cpu`` namespace."""
         super().__init__(device)
         self._decode = ops.paged_decode
-        # The prefill kernel where it was built for AVX-512 (elsewhere SDPA is faster).
-        fast = getattr(ops, "prefill_attention_fast", None)
-        self._prefill = ops.prefill_attention if fast is not None and fast() else None
+        # Where the prefill kernel beats SDPA in this build: 2 every prefill (AVX-512), 1
+        # prompts without cached context (AVX2), 0 none.
+        fast = int(ops.prefill_attention_fast())
+        self._prefill = ops.prefill_attention if fast > 0 else None
+        self._prefill_with_context = fast > 1
 
     def attend_prefills(  # type: ignore[override]
         self,
@@ -61,6 +63,9 @@ class CpuKernelPagedAttention(TorchPagedAttention):
             return
         num_kv_heads = kv_cache.shape[-2]
         for p in prefills:
+            if p.blocks is not None and not self._prefill_with_context:
+                TorchPagedAttention.attend_prefills(q, k, v, kv_cache, [p], scale, out)
+                continue
             if p.blocks is None:
                 keys, values = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
             else:

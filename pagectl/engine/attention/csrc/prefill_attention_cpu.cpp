@@ -10,17 +10,20 @@
 // Query row r (position context_len + r) attends keys 0 .. context_len + r. A work item is
 // one KV head and a block of kQueryBlock query rows: the G query heads of that KV head over
 // those rows, kQueryBlock * G query vectors that share every key tile. Keys go in tiles of
-// 16: the tile's keys are transposed once into [head_dim][16] floats and its values widened
-// into [16][head_dim], then each query vector's 16 scores are one register built by
-// head_dim multiply-adds (a query element broadcast against the 16 keys' elements), with no
-// lane sums; the softmax is online (running max and sum per query vector, the accumulator
-// rescaled when the max grows); each value row is multiplied into several query vectors'
-// accumulators at once. Everything is float32 whatever the tensors' dtype, as in the decode
+// kW (a register's floats: 16 on AVX-512, 8 otherwise): the tile's keys are transposed once
+// into [head_dim][kW] floats and its values widened into [kW][head_dim], then each query
+// vector's kW scores are one register built by head_dim multiply-adds (a query element
+// broadcast against the tile's keys' elements), with no lane sums; the softmax is online
+// (running max and sum per query vector, the accumulator rescaled when the max grows); each
+// value row is multiplied into several query vectors' accumulators at once (on AVX-512
+// their whole rows; otherwise two registers of each at a time, so the accumulators fit
+// sixteen registers). Everything is float32 whatever the tensors' dtype, as in the decode
 // kernel. Work items are split among torch's threads in contiguous ranges of about equal
 // key counts (later rows see more keys).
 //
-// The vectors are 16 floats: one AVX-512 register. The backend calls the kernel only where
-// it was built for AVX-512 (prefill_attention_fast); elsewhere it is correct but slow.
+// The backend calls the kernel where it beat torch's SDPA (prefill_attention_fast: every
+// prefill on AVX-512, prompts without cached context on AVX2); elsewhere it is correct but
+// slower than SDPA.
 //
 // Layouts (checked at the boundary): q, out [L, H, head_dim]; k, v [S, KH, head_dim],
 // S = context_len + L; any row and head strides, the last dimension contiguous; all float32
@@ -44,21 +47,33 @@
 namespace {
 
 typedef float vec16 __attribute__((vector_size(16 * sizeof(float))));
-typedef int32_t ivec16 __attribute__((vector_size(16 * sizeof(int32_t))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 
-constexpr int kTile = 16;         // keys per tile: one vector of scores
+#if defined(__AVX512F__)
+constexpr int kW = 16;  // floats per register
+typedef vec16 vecw;
+typedef int32_t ivecw __attribute__((vector_size(16 * sizeof(int32_t))));
+typedef uint16_t u16vecw __attribute__((vector_size(16 * sizeof(uint16_t))));
+typedef uint32_t u32vecw __attribute__((vector_size(16 * sizeof(uint32_t))));
+#else
+constexpr int kW = 8;
+typedef vec8 vecw;
+typedef int32_t ivecw __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef uint16_t u16vecw __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t u32vecw __attribute__((vector_size(8 * sizeof(uint32_t))));
+#endif
+
+constexpr int kTile = kW;         // keys per tile: one vector of scores
 constexpr int kQueryBlock = 16;   // query rows per work item
 constexpr int kMaxHeadDim = 256;
 
-inline vec16 load16(const float* p) {
-  vec16 v;
+inline vecw loadw(const float* p) {
+  vecw v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
-
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
 
 // Lane max and sum as trees of halves (a serial loop over 16 lanes is a 16-step chain).
 inline vec8 lo8(vec16 v) {
@@ -81,27 +96,24 @@ inline vec4 hi4(vec8 v) {
   std::memcpy(&r, reinterpret_cast<const char*>(&v) + sizeof r, sizeof r);
   return r;
 }
-inline float hmax(vec16 v) {
-  const vec8 a = lo8(v) > hi8(v) ? lo8(v) : hi8(v);
+inline float hmax(vec8 a) {
   const vec4 b = lo4(a) > hi4(a) ? lo4(a) : hi4(a);
   return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
 }
-inline float hsum(vec16 v) {
-  const vec8 a = lo8(v) + hi8(v);
+inline float hmax(vec16 v) { return hmax(lo8(v) > hi8(v) ? lo8(v) : hi8(v)); }
+inline float hsum(vec8 a) {
   const vec4 b = lo4(a) + hi4(a);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+inline float hsum(vec16 v) { return hsum(lo8(v) + hi8(v)); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-typedef uint16_t u16vec16 __attribute__((vector_size(16 * sizeof(uint16_t))));
-typedef uint32_t u32vec16 __attribute__((vector_size(16 * sizeof(uint32_t))));
-
-// 16 consecutive elements as floats.
-inline vec16 widen16(const float* p) { return load16(p); }
-inline vec16 widen16(const c10::BFloat16* p) {
-  return pagectl_cpu::bf16_to_float<vec16, u16vec16, u32vec16>(p);
+// kW consecutive elements as floats.
+inline vecw widenw(const float* p) { return loadw(p); }
+inline vecw widenw(const c10::BFloat16* p) {
+  return pagectl_cpu::bf16_to_float<vecw, u16vecw, u32vecw>(p);
 }
 
 struct Shape {
@@ -110,18 +122,20 @@ struct Shape {
   float scale;
 };
 
-// One work item: KV head h, query rows [r0, r1). NC = head_dim / 16; QG query vectors share
-// each pass over a tile (their accumulators in registers).
-template <typename T, int NC, int QG>
+// One work item: KV head h, query rows [r0, r1). NC = head_dim / kW; QG query vectors share
+// each pass over a tile (their accumulators in registers), CB registers of each
+// accumulator row at a time in the value pass.
+template <typename T, int NC, int QG, int CB>
 void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_t h,
                   int64_t r0, int64_t r1, std::vector<float>& scratch) {
-  constexpr int D = NC * 16;
+  static_assert(NC % CB == 0);
+  constexpr int D = NC * kW;
   const int64_t group = s.heads / s.kv_heads;
   const int64_t rows = r1 - r0;
   const int64_t nq = rows * group;  // query vector i: row r0 + i / group, head h*group + i % group
   const int64_t np = (nq + QG - 1) / QG * QG;  // padded to whole passes (zero queries)
-  // Scratch: queries [np][D], accumulators [np][D], scores/weights [np][16], K^T [D][16],
-  // V [16][D], running sums [nq][16] (lane-wise: summed once at the end), running max [nq].
+  // Scratch: queries [np][D], accumulators [np][D], scores/weights [np][kW], K^T [D][kW],
+  // V [kW][D], running sums [nq][kW] (lane-wise: summed once at the end), running max [nq].
   scratch.assign(
       static_cast<size_t>(np * D * 2 + np * kTile + D * kTile * 2 + nq * kTile + nq), 0.0f);
   float* qs = scratch.data();
@@ -145,9 +159,9 @@ void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, in
         const T* kr = k + (k0 + j) * s.k_row + h * s.k_head;
         const T* vr = v + (k0 + j) * s.v_row + h * s.v_head;
         for (int c = 0; c < NC; ++c) {
-          const vec16 kv = widen16(kr + 16 * c);
-          for (int e = 0; e < 16; ++e) kt[(16 * c + e) * kTile + j] = kv[e];
-          store16(vt + j * D + 16 * c, widen16(vr + 16 * c));
+          const vecw kv = widenw(kr + kW * c);
+          for (int e = 0; e < kW; ++e) kt[(kW * c + e) * kTile + j] = kv[e];
+          storew(vt + j * D + kW * c, widenw(vr + kW * c));
         }
       } else {
         for (int d = 0; d < D; ++d) {
@@ -160,16 +174,16 @@ void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, in
     const bool diagonal = k0 + kTile > s.ctx + r0;
     for (int64_t i0 = 0; i0 < nq; i0 += QG) {
       const int qn = static_cast<int>(std::min<int64_t>(QG, nq - i0));
-      vec16 sc[QG];
-      for (int g = 0; g < QG; ++g) sc[g] = vec16{};
+      vecw sc[QG];
+      for (int g = 0; g < QG; ++g) sc[g] = vecw{};
       for (int d = 0; d < D; ++d) {
-        const vec16 kd = load16(kt + d * kTile);
+        const vecw kd = loadw(kt + d * kTile);
         for (int g = 0; g < QG; ++g) sc[g] += qs[(i0 + g) * D + d] * kd;
       }
       for (int g = 0; g < qn; ++g) {
         const int64_t i = i0 + g;
         float* pi = p + i * kTile;
-        store16(pi, sc[g]);
+        storew(pi, sc[g]);
         // Keys past this row's position or past the tile's end: weight 0.
         int64_t visible = kTile;
         if (diagonal || nk < kTile) {
@@ -177,45 +191,51 @@ void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, in
           for (int64_t j = std::max<int64_t>(visible, 0); j < kTile; ++j)
             pi[j] = -std::numeric_limits<float>::infinity();
         }
-        const vec16 si = load16(pi);
+        const vecw si = loadw(pi);
         // The first tile holds key 0, which every row sees: from then on m is finite.
         const float m = std::max(run_max[i], hmax(si));
-        vec16 e = pagectl_cpu::exp_nonpositive<vec16, ivec16>(si - m);
-        e = si == -std::numeric_limits<float>::infinity() ? vec16{} : e;
-        const float alpha = std::exp(run_max[i] - m);
-        store16(run_sum + i * kTile, load16(run_sum + i * kTile) * alpha + e);
+        vecw e = pagectl_cpu::exp_nonpositive<vecw, ivecw>(si - m);
+        e = si == -std::numeric_limits<float>::infinity() ? vecw{} : e;
+        // The running max seldom grows after the first tiles: no exp then.
+        const float alpha = m > run_max[i] ? std::exp(run_max[i] - m) : 1.0f;
+        storew(run_sum + i * kTile, loadw(run_sum + i * kTile) * alpha + e);
         run_max[i] = m;
-        store16(pi, e);
+        storew(pi, e);
         if (alpha != 1.0f) {
           float* ai = acc + i * D;
-          for (int c = 0; c < NC; ++c) store16(ai + 16 * c, load16(ai + 16 * c) * alpha);
+          for (int c = 0; c < NC; ++c) storew(ai + kW * c, loadw(ai + kW * c) * alpha);
         }
       }
-      // Values: QG accumulators of NC vectors each stay in registers over the tile.
-      vec16 a[QG][NC];
-      for (int g = 0; g < QG; ++g)
-        for (int c = 0; c < NC; ++c) a[g][c] = load16(acc + (i0 + g) * D + 16 * c);
-      for (int64_t j = 0; j < nk; ++j) {
-        for (int c = 0; c < NC; ++c) {
-          const vec16 vv = load16(vt + j * D + 16 * c);
-          for (int g = 0; g < QG; ++g) a[g][c] += p[(i0 + g) * kTile + j] * vv;
+      // Values: QG accumulators of CB vectors each stay in registers over the tile.
+      for (int c0 = 0; c0 < NC; c0 += CB) {
+        vecw a[QG][CB];
+        for (int g = 0; g < QG; ++g)
+          for (int c = 0; c < CB; ++c) a[g][c] = loadw(acc + (i0 + g) * D + kW * (c0 + c));
+        for (int64_t j = 0; j < nk; ++j) {
+          for (int c = 0; c < CB; ++c) {
+            const vecw vv = loadw(vt + j * D + kW * (c0 + c));
+            for (int g = 0; g < QG; ++g) a[g][c] += p[(i0 + g) * kTile + j] * vv;
+          }
         }
+        for (int g = 0; g < qn; ++g)
+          for (int c = 0; c < CB; ++c) storew(acc + (i0 + g) * D + kW * (c0 + c), a[g][c]);
       }
-      for (int g = 0; g < qn; ++g)
-        for (int c = 0; c < NC; ++c) store16(acc + (i0 + g) * D + 16 * c, a[g][c]);
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
     T* oi = out + (r0 + i / group) * s.o_row + (h * group + i % group) * s.o_head;
-    const float inv = 1.0f / hsum(load16(run_sum + i * kTile));
+    const float inv = 1.0f / hsum(loadw(run_sum + i * kTile));
     for (int d = 0; d < D; ++d) oi[d] = static_cast<T>(acc[i * D + d] * inv);
   }
 }
 
-template <typename T, int NC>
+template <typename T, int NC16>
 void attend_all(const Shape& s, const T* q, const T* k, const T* v, T* out) {
-  // Query vectors per pass: their score and value accumulators in registers.
-  constexpr int QG = NC <= 4 ? 4 : 2;
+  constexpr int NC = NC16 * 16 / kW;
+  // Query vectors per pass, and accumulator registers of each in the value pass: with 32
+  // AVX-512 registers, whole rows of up to 4 registers for 4 queries; with 16, 2 x 4.
+  constexpr int QG = kW == 8 || NC <= 4 ? 4 : 2;
+  constexpr int CB = kW == 8 ? 2 : NC;
   const int64_t blocks = (s.len + kQueryBlock - 1) / kQueryBlock;
   const int64_t items = blocks * s.kv_heads;  // item: block-major, then KV head
   auto keys_of = [&](int64_t item) {
@@ -239,7 +259,7 @@ void attend_all(const Shape& s, const T* q, const T* k, const T* v, T* out) {
       for (int64_t it = bounds[c]; it < bounds[c + 1]; ++it) {
         const int64_t b = it / s.kv_heads, h = it % s.kv_heads;
         const int64_t r0 = b * kQueryBlock, r1 = std::min<int64_t>(s.len, r0 + kQueryBlock);
-        attend_block<T, NC, QG>(s, q, k, v, out, h, r0, r1, scratch);
+        attend_block<T, NC, QG, CB>(s, q, k, v, out, h, r0, r1, scratch);
       }
     }
   });
@@ -306,13 +326,17 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
 }
 
-// Whether the kernel is worth calling in this build: its 16-float vectors are one AVX-512
-// register; built for AVX2 they spill, and it ran 6x slower than torch's SDPA there.
-bool prefill_attention_fast() {
+// Which prefills the kernel beats torch's SDPA on in this build (benchmarks/
+// prefill_attention.py): 2 every prefill (AVX-512), 1 prompts without cached context only
+// (AVX2: its 8-key tiles' bookkeeping loses to SDPA's GEMMs over long cached contexts),
+// 0 none (no vector instructions it was tuned for).
+int64_t prefill_attention_fast() {
 #if defined(__AVX512F__)
-  return true;
+  return 2;
+#elif defined(__AVX2__)
+  return 1;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -322,7 +346,7 @@ TORCH_LIBRARY_FRAGMENT(pagectl_cpu, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, int context_len, float scale, "
       "Tensor(a!) out) -> ()");
-  m.def("prefill_attention_fast() -> bool", &prefill_attention_fast);
+  m.def("prefill_attention_fast() -> int", &prefill_attention_fast);
 }
 
 TORCH_LIBRARY_IMPL(pagectl_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
