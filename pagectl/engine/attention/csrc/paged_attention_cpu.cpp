@@ -94,6 +94,27 @@ inline float hsum(vecw v) {
 }
 #endif
 
+inline float hmax(vec4 v) {
+  const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+  return a > b ? a : b;
+}
+
+inline float hmax(vec8 v) {
+  vec4 a, b;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  return hmax(a > b ? a : b);
+}
+
+#if defined(__AVX512F__)
+inline float hmax(vecw v) {
+  vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  return hmax(lo > hi ? lo : hi);
+}
+#endif
+
 // Lane sums of kLanes vectors at once: fold_all<kLanes>(d) leaves in d[0] the vector whose
 // lane i is the sum of d[i]'s lanes (the other d[] are overwritten). Each level pairs d[i]
 // with d[i + W / 2] and adds the low and high halves of every group of W lanes of both,
@@ -228,7 +249,18 @@ inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, floa
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores + j * bs;
     float m = run_max[j];
-    for (int64_t t = 0; t < n; ++t) {
+    int64_t t0 = 0;
+    if (n >= kLanes) {
+      // A register's width of keys at a time (a scalar running max is one long chain).
+      vecw mv = loadw(sj);
+      for (t0 = kLanes; t0 + kLanes <= n; t0 += kLanes) {
+        const vecw x = loadw(sj + t0);
+        mv = x > mv ? x : mv;
+      }
+      const float bm = hmax(mv);
+      m = bm > m ? bm : m;
+    }
+    for (int64_t t = t0; t < n; ++t) {
       m = sj[t] > m ? sj[t] : m;
     }
     float total = 0.0f;
