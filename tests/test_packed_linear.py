@@ -1,8 +1,9 @@
 """The packed matmul (``csrc/packed_linear_cpu.cpp``): bfloat16 on CPUs with AVX512-BF16,
 float32 and int8 on AVX-512 CPUs. The layouts ``pack_weight`` writes, the op's result against a
 float64 reference, the layers that take it (and those that keep the plain weight), and a
-tied LM head whose embedding gathers its rows from the packed copy. Each case is skipped
-where the library has no such kernel: there the plain kernels run (test_quant.py)."""
+tied LM head whose embedding gathers its rows from the packed copy. Each packed case is
+skipped where the library has no such kernel: there the plain kernels run (test_quant.py),
+as they do anywhere when a layer declines the packed layout (the last case)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,23 @@ def test_a_tied_head_packs_once_and_its_embedding_reads_the_packed_rows(dtype):
     got = head.compute_logits(hidden)
     assert got.dtype == torch.float32
     assert _close(got.to(dtype), want, dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_declining_the_packed_layout_keeps_the_plain_weight_on_the_plain_kernel(dtype):
+    """``pack_for_cpu(packed_layout=False)`` (the benchmarks' ``*-plain`` formats): the
+    project's plain kernel over the checkpoint's [N, K] weight, on any CPU."""
+    assert cpu_build.load_cpu_ops() is not None, "the CPU kernels did not build"
+    torch.manual_seed(5)
+    col = ColumnParallelLinear(96, 128, params_dtype=dtype)
+    col.weight.data.copy_(torch.randn(128, 96))
+    w = col.weight.data.clone()
+    assert col.pack_for_cpu(packed_layout=False)
+    assert col._own_packed is None and col._packed is None and col._skinny is not None
+    assert torch.equal(col.weight.data, w)
+    weight, scale, bias = col.kernel_operands()
+    assert weight is col.weight and scale is None and bias is None
+    for rows in (1, 5, 20):  # the dot-product tiles and the broadcast blocks
+        x = torch.randn(rows, 96).to(dtype)
+        want = x.double() @ w.double().t()
+        assert _close(col(x), want, 96), rows
