@@ -52,9 +52,8 @@ def main() -> None:
     heads, kv_heads, dim = (int(x) for x in args.heads.split(","))
     scale = dim**-0.5
     fast = int(ops.prefill_attention_fast())
-    backend = CpuKernelPagedAttention(torch.device("cpu"), ops)
-    backend._prefill = ops.prefill_attention  # whatever prefill_attention_fast() says
-    backend._prefill_with_context = True
+    # Every prefill on the kernel, whatever prefill_attention_fast() says.
+    backend = CpuKernelPagedAttention(torch.device("cpu"), ops, prefill_rule=2)
     print(
         f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
         f"threads {args.threads}, {args.dtype}, heads {heads}/{kv_heads}, head_dim {dim}, "

@@ -109,7 +109,6 @@ def test_backend_sends_prefills_to_the_kernel_and_float16_to_sdpa(monkeypatch):
     fast = int(ops.prefill_attention_fast())
     if fast == 0:
         pytest.skip("the kernel is built without AVX2 or AVX-512: prefills stay on SDPA")
-    backend = CpuKernelPagedAttention(torch.device("cpu"), ops)
     calls = []
     monkeypatch.setattr(
         TorchPagedAttention, "attend_prefills", staticmethod(lambda *a: calls.append(a))
@@ -129,8 +128,9 @@ def test_backend_sends_prefills_to_the_kernel_and_float16_to_sdpa(monkeypatch):
     ]
     keys = cache[0, [2, 0]].reshape(-1, 2, 32)
     values = cache[1, [2, 0]].reshape(-1, 2, 32)
-    for with_context in sorted({fast > 1, True}):
-        backend._prefill_with_context = with_context
+    for rule in sorted({fast, 2}):  # the build's rule, and every prefill on the kernel
+        backend = CpuKernelPagedAttention(torch.device("cpu"), ops, prefill_rule=rule)
+        with_context = rule > 1
         calls.clear()
         out = torch.full_like(q, float("nan"))
         backend.attend_prefills(q, k, v, cache, prefills, 0.2, out)

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from pagectl.engine.attention.metadata import AttentionMetadata
-from pagectl.engine.attention.torch_paged import DecodeGroup, PrefillSeq, TorchPagedAttention
+from pagectl.engine.attention.torch_paged import (
+    DecodeGroup,
+    PrefillSeq,
+    TorchPagedAttention,
+    prefill_keys_values,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What prefill_attention takes (csrc/prefill_attention_cpu.cpp); the rest keeps SDPA.
@@ -32,15 +37,18 @@ PREFILL_HEAD_DIMS = frozenset([*range(16, 129, 16), 192, 256])
 class CpuKernelPagedAttention(TorchPagedAttention):
     name = "cpu-kernel"
 
-    def __init__(self, device: torch.device, ops: Any) -> None:
-        """``ops``: the loaded ``torch.ops.pagectl_cpu`` namespace."""
+    def __init__(self, device: torch.device, ops: Any, prefill_rule: int | None = None) -> None:
+        """``ops``: the loaded ``torch.ops.pagectl_cpu`` namespace. ``prefill_rule``: which
+        prefills take the prefill kernel, 2 every one, 1 those without cached context, 0 none;
+        None (the engine's choice) takes where it beats SDPA in this build,
+        ``prefill_attention_fast()`` (2 on AVX-512, 1 on AVX2). Benchmarks and tests pass 2
+        to run the kernel everywhere."""
         super().__init__(device)
         self._decode = ops.paged_decode
-        # Where the prefill kernel beats SDPA in this build: 2 every prefill (AVX-512), 1
-        # prompts without cached context (AVX2), 0 none.
-        fast = int(ops.prefill_attention_fast())
-        self._prefill = ops.prefill_attention if fast > 0 else None
-        self._prefill_with_context = fast > 1
+        self._prefill = ops.prefill_attention
+        self._prefill_rule = (
+            int(ops.prefill_attention_fast()) if prefill_rule is None else prefill_rule
+        )
 
     def attend_prefills(  # type: ignore[override]
         self,
@@ -52,26 +60,19 @@ class CpuKernelPagedAttention(TorchPagedAttention):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        head_dim = q.shape[-1]
         if (
-            self._prefill is None
+            self._prefill_rule == 0
             or q.dtype not in PREFILL_DTYPES
             or not (k.dtype == v.dtype == kv_cache.dtype == out.dtype == q.dtype)
-            or head_dim not in PREFILL_HEAD_DIMS
+            or q.shape[-1] not in PREFILL_HEAD_DIMS
         ):
             TorchPagedAttention.attend_prefills(q, k, v, kv_cache, prefills, scale, out)
             return
-        num_kv_heads = kv_cache.shape[-2]
         for p in prefills:
-            if p.blocks is not None and not self._prefill_with_context:
+            if p.blocks is not None and self._prefill_rule < 2:
                 TorchPagedAttention.attend_prefills(q, k, v, kv_cache, [p], scale, out)
                 continue
-            if p.blocks is None:
-                keys, values = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
-            else:
-                keys = kv_cache[0].index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)
-                values = kv_cache[1].index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)
-                keys, values = keys[: p.seq_len], values[: p.seq_len]
+            keys, values = prefill_keys_values(p, k, v, kv_cache)
             self._prefill(
                 q[p.q_start : p.q_end],
                 keys,

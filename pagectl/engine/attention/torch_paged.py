@@ -54,6 +54,20 @@ class PrefillSeq:
     mask: torch.Tensor | None
 
 
+def prefill_keys_values(
+    p: PrefillSeq, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``[seq_len, KH, head_dim]`` a prefill attends: the step's own K/V
+    rows for a fresh prompt, else the sequence's blocks gathered from the cache (which
+    already holds the step's rows)."""
+    if p.blocks is None:
+        return k[p.q_start : p.q_end], v[p.q_start : p.q_end]
+    kv_heads, head_dim = kv_cache.shape[-2:]
+    keys = kv_cache[0].index_select(0, p.blocks).view(-1, kv_heads, head_dim)
+    values = kv_cache[1].index_select(0, p.blocks).view(-1, kv_heads, head_dim)
+    return keys[: p.seq_len], values[: p.seq_len]
+
+
 @dataclass
 class TorchAttentionState:
     decode_groups: list[DecodeGroup]
@@ -199,22 +213,10 @@ class TorchPagedAttention(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """Prefill rows, one SDPA per sequence, into ``out``."""
-        _, num_heads, head_dim = q.shape
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads = k_cache.shape[-2]
-        gqa = num_heads != num_kv_heads
+        gqa = q.shape[1] != kv_cache.shape[-2]
         for p in prefills:
             qs = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
-            if p.blocks is None:
-                keys = k[p.q_start : p.q_end]
-                values = v[p.q_start : p.q_end]
-            else:
-                keys = k_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[
-                    : p.seq_len
-                ]
-                values = v_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[
-                    : p.seq_len
-                ]
+            keys, values = prefill_keys_values(p, k, v, kv_cache)
             o = F.scaled_dot_product_attention(
                 qs,
                 keys.transpose(0, 1).unsqueeze(0),

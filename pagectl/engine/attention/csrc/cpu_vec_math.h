@@ -1,5 +1,5 @@
-// Vector math shared by the CPU kernels (paged_attention_cpu.cpp, decode_ops_cpu.cpp,
-// skinny_linear_cpu.cpp):
+// Vector math shared by the CPU kernels (paged_attention_cpu.cpp, prefill_attention_cpu.cpp,
+// decode_ops_cpu.cpp, skinny_linear_cpu.cpp):
 // GCC/Clang vector extensions, any width.
 #pragma once
 
@@ -63,6 +63,48 @@ inline void float_to_bf16(V v, void* p) {
   const U32V out = nan ? U32V{} + 0x7FC0u : rounded;
   const U16V narrow = __builtin_convertvector(out, U16V);
   std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// Lane sum and lane max of a float vector of any power-of-two width, as trees of halves (a
+// serial loop over the lanes is one long dependent chain): each level adds (or takes the
+// larger of) the low and high halves, down to four lanes, summed as (0 + 2) + (1 + 3).
+template <int N>
+struct FloatVec {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
+
+template <typename V>
+inline void split_halves(V v, typename FloatVec<sizeof(V) / sizeof(float) / 2>::type& lo,
+                         typename FloatVec<sizeof(V) / sizeof(float) / 2>::type& hi) {
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+}
+
+template <typename V>
+inline float lane_sum(V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  static_assert(n >= 4 && (n & (n - 1)) == 0, "lane_sum: 4, 8, 16 ... lanes");
+  if constexpr (n == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    typename FloatVec<n / 2>::type lo, hi;
+    split_halves(v, lo, hi);
+    return lane_sum(lo + hi);
+  }
+}
+
+template <typename V>
+inline float lane_max(V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  static_assert(n >= 4 && (n & (n - 1)) == 0, "lane_max: 4, 8, 16 ... lanes");
+  if constexpr (n == 4) {
+    const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+    return a > b ? a : b;
+  } else {
+    typename FloatVec<n / 2>::type lo, hi;
+    split_halves(v, lo, hi);
+    return lane_max(lo > hi ? lo : hi);
+  }
 }
 
 }  // namespace pagectl_cpu

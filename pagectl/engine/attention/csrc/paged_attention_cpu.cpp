@@ -61,8 +61,6 @@ constexpr int kLanes = 8;
 constexpr int kVectorRegs = 16;
 #endif
 typedef float vecw __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t ivecw __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint16_t u16vecw __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t u32vecw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -75,45 +73,6 @@ inline float exp_nonpositive_scalar(float x) {
   const vec1 v = {x};
   return exp_nonpositive<vec1, ivec1>(v)[0];
 }
-
-inline float hsum(vec4 s4) { return (s4[0] + s4[2]) + (s4[1] + s4[3]); }
-
-inline float hsum(vec8 v) {
-  vec4 a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  return hsum(a + b);
-}
-
-#if defined(__AVX512F__)
-inline float hsum(vecw v) {
-  vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  return hsum(lo + hi);
-}
-#endif
-
-inline float hmax(vec4 v) {
-  const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
-  return a > b ? a : b;
-}
-
-inline float hmax(vec8 v) {
-  vec4 a, b;
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
-  return hmax(a > b ? a : b);
-}
-
-#if defined(__AVX512F__)
-inline float hmax(vecw v) {
-  vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  return hmax(lo > hi ? lo : hi);
-}
-#endif
 
 // Lane sums of kLanes vectors at once: fold_all<kLanes>(d) leaves in d[0] the vector whose
 // lane i is the sum of d[i]'s lanes (the other d[] are overwritten). Each level pairs d[i]
@@ -257,7 +216,7 @@ inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, floa
         const vecw x = loadw(sj + t0);
         mv = x > mv ? x : mv;
       }
-      const float bm = hmax(mv);
+      const float bm = pagectl_cpu::lane_max(mv);
       m = bm > m ? bm : m;
     }
     for (int64_t t = t0; t < n; ++t) {
@@ -272,7 +231,7 @@ inline void softmax_block(int64_t nq, int64_t bs, int64_t n, float* scores, floa
         std::memcpy(sj + t, &e, sizeof e);
         sum += e;
       }
-      total = hsum(sum);
+      total = pagectl_cpu::lane_sum(sum);
     }
     for (; t < n; ++t) {
       sj[t] = exp_nonpositive_scalar(sj[t] - m);

@@ -46,23 +46,15 @@
 
 namespace {
 
-typedef float vec16 __attribute__((vector_size(16 * sizeof(float))));
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
-
 #if defined(__AVX512F__)
 constexpr int kW = 16;  // floats per register
-typedef vec16 vecw;
-typedef int32_t ivecw __attribute__((vector_size(16 * sizeof(int32_t))));
-typedef uint16_t u16vecw __attribute__((vector_size(16 * sizeof(uint16_t))));
-typedef uint32_t u32vecw __attribute__((vector_size(16 * sizeof(uint32_t))));
 #else
 constexpr int kW = 8;
-typedef vec8 vecw;
-typedef int32_t ivecw __attribute__((vector_size(8 * sizeof(int32_t))));
-typedef uint16_t u16vecw __attribute__((vector_size(8 * sizeof(uint16_t))));
-typedef uint32_t u32vecw __attribute__((vector_size(8 * sizeof(uint32_t))));
 #endif
+typedef float vecw __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t ivecw __attribute__((vector_size(kW * sizeof(int32_t))));
+typedef uint16_t u16vecw __attribute__((vector_size(kW * sizeof(uint16_t))));
+typedef uint32_t u32vecw __attribute__((vector_size(kW * sizeof(uint32_t))));
 
 constexpr int kTile = kW;         // keys per tile: one vector of scores
 constexpr int kQueryBlock = 16;   // query rows per work item
@@ -74,38 +66,6 @@ inline vecw loadw(const float* p) {
   return v;
 }
 inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
-
-// Lane max and sum as trees of halves (a serial loop over 16 lanes is a 16-step chain).
-inline vec8 lo8(vec16 v) {
-  vec8 r;
-  std::memcpy(&r, &v, sizeof r);
-  return r;
-}
-inline vec8 hi8(vec16 v) {
-  vec8 r;
-  std::memcpy(&r, reinterpret_cast<const char*>(&v) + sizeof r, sizeof r);
-  return r;
-}
-inline vec4 lo4(vec8 v) {
-  vec4 r;
-  std::memcpy(&r, &v, sizeof r);
-  return r;
-}
-inline vec4 hi4(vec8 v) {
-  vec4 r;
-  std::memcpy(&r, reinterpret_cast<const char*>(&v) + sizeof r, sizeof r);
-  return r;
-}
-inline float hmax(vec8 a) {
-  const vec4 b = lo4(a) > hi4(a) ? lo4(a) : hi4(a);
-  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
-}
-inline float hmax(vec16 v) { return hmax(lo8(v) > hi8(v) ? lo8(v) : hi8(v)); }
-inline float hsum(vec8 a) {
-  const vec4 b = lo4(a) + hi4(a);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-inline float hsum(vec16 v) { return hsum(lo8(v) + hi8(v)); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -193,7 +153,7 @@ void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, in
         }
         const vecw si = loadw(pi);
         // The first tile holds key 0, which every row sees: from then on m is finite.
-        const float m = std::max(run_max[i], hmax(si));
+        const float m = std::max(run_max[i], pagectl_cpu::lane_max(si));
         vecw e = pagectl_cpu::exp_nonpositive<vecw, ivecw>(si - m);
         e = si == -std::numeric_limits<float>::infinity() ? vecw{} : e;
         // The running max seldom grows after the first tiles: no exp then.
@@ -224,7 +184,7 @@ void attend_block(const Shape& s, const T* q, const T* k, const T* v, T* out, in
   }
   for (int64_t i = 0; i < nq; ++i) {
     T* oi = out + (r0 + i / group) * s.o_row + (h * group + i % group) * s.o_head;
-    const float inv = 1.0f / hsum(loadw(run_sum + i * kTile));
+    const float inv = 1.0f / pagectl_cpu::lane_sum(loadw(run_sum + i * kTile));
     for (int d = 0; d < D; ++d) oi[d] = static_cast<T>(acc[i * D + d] * inv);
   }
 }
