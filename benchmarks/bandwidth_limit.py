@@ -7,7 +7,9 @@ bytes per token``. This probe measures the machine's read bandwidth (the best of
 then for each weight format (float32, bfloat16, load-time int8 and int4) builds the engine,
 counts the bytes of the weights one token reads (projections and LM head, in the layout the
 kernels read), and times single-stream greedy decode (one request, ``ignore_eos``; the time
-per token after the first), printing tok/s, the limit and the fraction of it reached.
+per token after the first), printing tok/s, the limit and the fraction of it reached. The
+probe runs again before and after every decode run, and each run is held against its own
+probes (the median of the runs' fractions is printed): the host's bandwidth drifts.
 
     python benchmarks/bandwidth_limit.py --synthetic-model qwen3-33m --threads 2
     python benchmarks/bandwidth_limit.py --synthetic-model qwen3-0.6b --threads 2 --tokens 32
@@ -40,9 +42,10 @@ FORMATS = {
 }
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+def read_bandwidth(gib: float = 1.0, repeats: int = 7, t: torch.Tensor | None = None) -> float:
     """Bytes/s of ``t.sum()`` over a ``gib`` GiB float32 tensor (best of ``repeats``)."""
-    t = torch.ones(int(gib * 2**30) // 4)
+    if t is None:
+        t = torch.ones(int(gib * 2**30) // 4)
     t.sum()
     best = float("inf")
     for _ in range(repeats):
@@ -99,26 +102,44 @@ def main() -> None:
         from pagectl.bench.synthetic import ensure_synthetic_model
 
         model = str(ensure_synthetic_model(args.synthetic_model))
-    bw = read_bandwidth()
+    # The host's memory bandwidth moves within a minute (33-57 GB/s seen between two runs a
+    # minute apart), so every decode run is bracketed by probes of the same 1 GiB tensor and
+    # compared with the mean of its own two: a probe taken once would credit or blame the
+    # kernel for the machine's drift.
+    probe = torch.ones(2**30 // 4)
     print(f"model {model}; torch threads {torch.get_num_threads()}; load {os.getloadavg()}")
-    print(f"read bandwidth (sum over 1 GiB float32, best of 7): {bw / 1e9:.2f} GB/s")
-    print(f"{'format':9} {'weights MB/token':>16} {'limit tok/s':>11} {'tok/s':>8} {'of limit':>8}")
+    print(
+        f"read bandwidth: sum over 1 GiB float32, best of 3, before and after every run"
+        f" ({read_bandwidth(t=probe, repeats=3) / 1e9:.2f} GB/s now)"
+    )
+    print(
+        f"{'format':9} {'weights MB/token':>16} {'probe GB/s':>10} {'limit tok/s':>11}"
+        f" {'tok/s':>8} {'of limit':>8}"
+    )
     for name in args.formats.split(","):
         built = build_engine(EngineArgs(model=model, num_kv_blocks=64, **FORMATS[name]))
+        runs = []  # (probe bytes/s around the run, tok/s)
         try:
             nbytes = weight_bytes_per_token(built.core.executor.model)
             decode_tok_s(built.core, 8, 4, seed=-1)  # warm-up
-            rates = [
-                decode_tok_s(built.core, args.prompt_len, args.tokens, seed=i)
-                for i in range(args.rounds)
-            ]
+            for i in range(args.rounds):
+                before = read_bandwidth(t=probe, repeats=3)
+                rate = decode_tok_s(built.core, args.prompt_len, args.tokens, seed=i)
+                after = read_bandwidth(t=probe, repeats=3)
+                runs.append(((before + after) / 2, rate))
         finally:
             built.shutdown()
-        rate = statistics.median(rates)
-        limit = bw / nbytes
+        fractions = [rate / (bw / nbytes) for bw, rate in runs]
+        bw = statistics.median(b for b, _ in runs)
+        rate = statistics.median(r for _, r in runs)
         print(
-            f"{name:9} {nbytes / 1e6:16.1f} {limit:11.1f} {rate:8.1f} {rate / limit:8.0%}"
-            f"   (runs: {', '.join(f'{r:.1f}' for r in rates)})",
+            f"{name:9} {nbytes / 1e6:16.1f} {bw / 1e9:10.2f} {bw / nbytes:11.1f} {rate:8.1f}"
+            f" {statistics.median(fractions):8.0%}   (runs: "
+            + ", ".join(
+                f"{r:.1f} tok/s at {b / 1e9:.1f} GB/s = {f:.0%}"
+                for (b, r), f in zip(runs, fractions)
+            )
+            + ")",
             flush=True,
         )
 

@@ -65,6 +65,22 @@ def test_prompt_forms_and_order(llm):
     assert_engine_idle(llm)
 
 
+def test_detokenize_off_gives_the_same_tokens_and_no_text(llm):
+    prompt = {"prompt_token_ids": [5, 17, 99, 3, 250, 41]}
+    on = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    off = llm.generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
+    )[0]
+    assert off.outputs[0].token_ids == on.outputs[0].token_ids
+    assert len(off.outputs[0].token_ids) == 6
+    assert on.outputs[0].text and off.outputs[0].text == ""
+    with pytest.raises(ValueError, match="detokenize=False"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a boolean"):
+        SamplingParams(detokenize="no")
+    assert_engine_idle(llm)
+
+
 def test_generated_logprobs_match_transformers(llm, hf):
     prompt = [5, 17, 99, 3, 250, 41]
     out = llm.generate(

@@ -18,6 +18,9 @@ def run_pagectl(
 ) -> EngineResult:
     """Time ``llm.generate`` on the whole workload, one ``SamplingParams`` per request.
 
+    Token ids only (``detokenize=False``), as every peer is run: no engine's figure includes
+    making text.
+
     With ``profile``, the run is also split into engine-step phases and profiled with
     cProfile (``extra["profile"]``); both add a little overhead to the figure.
     """
@@ -25,7 +28,13 @@ def run_pagectl(
 
     res = EngineResult("pagectl", "pagectl (LLM.generate)", len(workload))
     params = [
-        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, seed=i)
+        SamplingParams(
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            temperature=temperature,
+            seed=i,
+            detokenize=False,
+        )
         for i, r in enumerate(workload)
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]

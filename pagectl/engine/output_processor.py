@@ -112,9 +112,11 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestState:
-        """Track a request with ``params.n`` samples; returns its state."""
+        """Track a request with ``params.n`` samples; returns its state. With
+        ``params.detokenize`` off its samples get no text."""
+        tokenizer = self.tokenizer if params.detokenize else None
         samples = [
-            SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
+            SampleState(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, params))
             for i in range(params.n)
         ]
         state = RequestState(request_id, prompt_token_ids, samples)

@@ -81,6 +81,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one always)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    # False: no text is made (outputs carry token ids only, text ""), as vLLM's
+    # ``detokenize=False``; stop strings need the text, so they are refused with it.
+    detokenize: bool = True
     # A constraint on the output (JSON schema, regex, choice, grammar); None: unconstrained.
     # A plain dict (as it crosses the process boundary) is turned back into the dataclass.
     structured_outputs: StructuredOutputsParams | None = None
@@ -130,6 +133,13 @@ class SamplingParams:
             )
         if self.seed is not None:
             _int("seed", self.seed, -(2**63), 2**63 - 1)
+        if not isinstance(self.detokenize, bool):
+            raise SamplingParamsError("detokenize", "detokenize must be a boolean")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError(
+                "stop",
+                "stop strings need the output text: they cannot be used with detokenize=False",
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingParamsError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:

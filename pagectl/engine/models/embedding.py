@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagectl.engine import huge_pages
 from pagectl.engine.models.linear import PackableLinear
 from pagectl.engine.models.parallel import SINGLE, TPGroup
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader
@@ -34,7 +35,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(
-            torch.empty(self.rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False
+            huge_pages.empty(
+                (self.rows_per_rank, embedding_dim), params_dtype or torch.get_default_dtype()
+            ),
+            requires_grad=False,
         )
         set_weight_loader(self.weight, self.weight_loader)
         # The rows in the CPU kernel's packed bfloat16 layout [rows / 64, dim / 2, 64, 2],

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagectl.engine import huge_pages
 from pagectl.engine.attention import cpu_build
 from pagectl.engine.models.parallel import SINGLE, TPGroup, divide, kv_heads_per_rank
 from pagectl.engine.models.weights import copy_checked, read, set_weight_loader, shape_of
@@ -78,7 +79,9 @@ _INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(
+        huge_pages.empty(shape, dtype or torch.get_default_dtype()), requires_grad=False
+    )
 
 
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -234,7 +237,7 @@ class PackableLinear(nn.Module):
         if not ops.packed_linear_available(w.dtype):
             return False
         self._skinny = ops
-        self._own_packed = ops.pack_weight(w)
+        self._own_packed = huge_pages.rehome(ops.pack_weight(w))
         self._share_packed(self._own_packed)
         self.weight.data = torch.empty(0, dtype=w.dtype)
         return True

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from pagectl.engine import huge_pages
 from pagectl.engine.attention import cpu_build
 
 KERNEL_DTYPE = torch.bfloat16
@@ -40,7 +41,7 @@ class Int8Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         # int8 [N, K]; or, where the project's packed kernel runs (an AVX-512 CPU, N a
         # multiple of 64), int8 [N / 64, K, 64] in its layout (``pack_weight``).
-        self.q = q.contiguous()
+        self.q = huge_pages.rehome(q.contiguous())
         self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
         self.out_features, self.in_features = q.shape
         # The project kernel (None: torch's), and the same scales in float32 for it.
@@ -54,7 +55,7 @@ class Int8Weight:
             and bool(ops.packed_linear_available(torch.int8))
         )
         if ops is not None and self.is_packed:
-            self.q = ops.pack_weight(self.q)
+            self.q = huge_pages.rehome(ops.pack_weight(self.q))
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
@@ -119,8 +120,10 @@ class Int4Weight:
         self.group_size = group_size
         self.out_features = n
         self.in_features = k
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), _INNER_K_TILES
+        self.packed = huge_pages.rehome(
+            torch._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).contiguous(), _INNER_K_TILES
+            )
         )
         # [K / G, N, 2]: (scale, zero) per group and output feature, as the kernel reads them.
         self.scales_and_zeros = (

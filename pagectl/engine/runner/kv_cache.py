@@ -3,8 +3,8 @@
 Layout: one tensor ``[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]``
 allocated once at start, zero-filled: masked padding still flows through attention matmuls,
 so every slot must hold a finite value. On CPU the memory is an anonymous mapping, which the
-OS hands out zero-filled and commits page by page on first write: a large pool costs nothing
-until it is used. Index 0 of dim 1 holds keys, 1 values; per layer the
+OS hands out zero-filled and commits page by page on first write (on 2 MiB pages where it
+gives them: ``huge_pages.py``): a large pool costs nothing until it is used. Index 0 of dim 1 holds keys, 1 values; per layer the
 ``[num_blocks + 1, block_size, kv_heads, head_dim]`` halves are exactly flash-attn's paged
 layout. Block ids ``[0, num_blocks)`` are the scheduler's; block ``num_blocks`` is the scratch
 block: padding rows write there and padded block-table entries point there. No sequence ever
@@ -18,11 +18,11 @@ an explicit ``num_kv_blocks``; else ``kv_cache_memory`` bytes; else on CUDA the
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 
 import torch
+
+from pagectl.engine import huge_pages
 
 CPU_DEFAULT_BYTES = 2 << 30
 CPU_MAX_RAM_FRACTION = 0.25
@@ -80,13 +80,11 @@ class KVCachePool:
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        # Keeps the CPU mapping alive as long as the tensor views it.
-        self._mapping: mmap.mmap | None = None
         if device.type == "cpu":
-            numel = math.prod(shape)
-            nbytes = numel * dtype.itemsize
-            self._mapping = mmap.mmap(-1, max(nbytes, 1))
-            self.tensor = torch.frombuffer(self._mapping, dtype=dtype, count=numel).view(shape)
+            # A fresh anonymous mapping on huge pages where the OS gives them (huge_pages.py):
+            # zero-filled and committed on first write, so a large pool costs nothing until
+            # it is used.
+            self.tensor = huge_pages.mapped_empty(shape, dtype)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = kv_bytes_per_block(
@@ -96,7 +94,6 @@ class KVCachePool:
     def release(self) -> None:
         """Drop the KV memory (the pool is unusable afterwards)."""
         self.tensor = torch.empty(0)
-        self._mapping = None
 
     @property
     def num_bytes(self) -> int:
