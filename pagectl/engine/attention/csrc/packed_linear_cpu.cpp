@@ -116,18 +116,29 @@ inline void store16(__m512 v, O* o, const float* scale, const float* bias, int64
   store_out(v, o + n);
 }
 
+// The lines of the next tile that one pass over a tile prefetches into L2 (its share).
+struct NextTile {
+  const char* start = nullptr;  // the share's first byte; nullptr: nothing to prefetch
+  int64_t lines = 0;            // 64-byte lines in the share
+};
+
 // MR rows of x (``ldx`` apart) times one tile (``steps`` steps), into out rows (``ldo``
-// apart) at feature n0.
+// apart) at feature n0. ``next``'s lines are prefetched into L2 spread evenly over the steps.
 template <typename E, typename O, int MR>
 inline void tile_rows(const typename E::X* x, int64_t ldx, const typename E::T* wt,
                       int64_t steps, O* out, int64_t ldo, int64_t n0, const float* scale,
-                      const float* bias) {
+                      const float* bias, NextTile next = {}) {
   constexpr int64_t kStepElems = E::kStep * kTileCols;
   constexpr int kVec = 16 * E::kStep;  // weight elements per register
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t line = 0;  // next's lines prefetched so far
   for (int64_t p = 0; p < steps; ++p) {
+    // Line (p + 1) * lines / steps - 1 is due by the end of step p.
+    for (; next.start != nullptr && line * steps < (p + 1) * next.lines; ++line) {
+      __builtin_prefetch(next.start + 64 * line, 0, 2);
+    }
     const typename E::T* w = wt + p * kStepElems;
     const typename E::W w0 = E::load(w), w1 = E::load(w + kVec), w2 = E::load(w + 2 * kVec),
                         w3 = E::load(w + 3 * kVec);
@@ -176,6 +187,7 @@ void run_packed(const typename E::X* x, int64_t m_dim, int64_t k_dim, const type
   using X = typename E::X;
   const int64_t tiles = n_dim / kTileCols, steps = k_dim / E::kStep;
   const int64_t tile_elems = k_dim * kTileCols;
+  const int64_t tile_bytes = tile_elems * static_cast<int64_t>(sizeof(T));
   // Rows of x taken together through a thread's tiles: bounded so they stay in L2 while
   // the tiles stream past (192 KiB: 96 rows of 1024 bfloat16 features).
   const int64_t row_bytes = k_dim * static_cast<int64_t>(sizeof(X));
@@ -190,18 +202,38 @@ void run_packed(const typename E::X* x, int64_t m_dim, int64_t k_dim, const type
           tile_one_row<E>(x, wt, steps, out, n0, scale, bias);
           continue;
         }
+        // Several passes over a tile read it from L2 after the first, which alone would
+        // stream it from memory (at the compute speed of kRows rows, while the other passes
+        // leave the memory idle): each pass prefetches its share of the next tile instead,
+        // so the whole tile time overlaps the next tile's fetch (after a thread's last tile,
+        // the next is its first, for the next row block). 16-32 rows of the 33.6M model's
+        // bfloat16 matmuls: 1.02-1.09x (medians of 6 alternated rounds in each of 3 runs).
+        const int64_t passes = (r1 - r0 + kRows - 1) / kRows;
+        const NextTile next_tile{
+            reinterpret_cast<const char*>(t + 1 < end ? wt + tile_elems : wp + begin * tile_elems),
+            tile_bytes / 64};
+        const bool has_next = passes > 1 && (t + 1 < end || r1 < m_dim);
+        const int64_t share = (next_tile.lines + passes - 1) / passes;
+        auto next_share = [&](int64_t pass) {
+          if (!has_next) return NextTile{};
+          const int64_t first = std::min(pass * share, next_tile.lines);
+          return NextTile{next_tile.start + 64 * first,
+                          std::min(share, next_tile.lines - first)};
+        };
         int64_t m = r0;
-        for (; m + kRows <= r1; m += kRows)
+        int64_t pass = 0;
+        for (; m + kRows <= r1; m += kRows, ++pass)
           tile_rows<E, O, kRows>(x + m * k_dim, k_dim, wt, steps, out + m * n_dim, n_dim, n0,
-                                 scale, bias);
+                                 scale, bias, next_share(pass));
         const X* xm = x + m * k_dim;
         O* om = out + m * n_dim;
+        const NextTile last = next_share(pass);
         switch (r1 - m) {
-          case 5: tile_rows<E, O, 5>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias); break;
-          case 4: tile_rows<E, O, 4>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias); break;
-          case 3: tile_rows<E, O, 3>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias); break;
-          case 2: tile_rows<E, O, 2>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias); break;
-          case 1: tile_rows<E, O, 1>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias); break;
+          case 5: tile_rows<E, O, 5>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias, last); break;
+          case 4: tile_rows<E, O, 4>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias, last); break;
+          case 3: tile_rows<E, O, 3>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias, last); break;
+          case 2: tile_rows<E, O, 2>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias, last); break;
+          case 1: tile_rows<E, O, 1>(xm, k_dim, wt, steps, om, n_dim, n0, scale, bias, last); break;
           default: break;
         }
       }
