@@ -60,11 +60,12 @@ def test_the_mapping_is_advised_unless_turned_off(monkeypatch):
 
 
 @linux
-def test_the_kv_pool_is_private_and_advised():
+def test_the_kv_pool_is_private_and_not_advised():
     pool = KVCachePool(2, 64, 16, 4, 64, torch.float32, torch.device("cpu"))
     flags = vm_flags(pool.tensor.data_ptr())
-    # Private (no "sh"): a forked child would not share it, and shmem gets no huge pages.
-    assert "sh" not in flags
+    # Private (no "sh"): a forked child would not share it. Not advised: its pages are
+    # first written inside steps, where a huge page's fault may wait for compaction.
+    assert "sh" not in flags and "hg" not in flags
     assert not pool.tensor.any()
     pool.release()
 

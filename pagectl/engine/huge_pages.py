@@ -1,9 +1,8 @@
-"""CPU memory for the tensors a step streams (weights, the KV pool) on 2 MiB pages.
+"""CPU memory for the weights a step streams, on 2 MiB pages.
 
 A single-stream decode step reads every weight once, hundreds of megabytes in a few
-milliseconds, and a decode batch reads its KV blocks from all over the pool. On 4 KiB pages
-each of those reads crosses a page every 4 KiB: a TLB miss, and a boundary the hardware
-prefetcher does not cross, so every page's stream starts cold. Transparent huge pages
+milliseconds. On 4 KiB pages that read crosses a page every 4 KiB: a TLB miss, and a
+boundary the hardware prefetcher does not cross, so every page's stream starts cold. Transparent huge pages
 (2 MiB) take both away. Linux backs an anonymous mapping with them when asked
 (``madvise(MADV_HUGEPAGE)``; the default ``enabled`` setting, ``madvise``, gives them to
 nobody else) and only where a 2 MiB range is aligned and untouched at the first write, so
@@ -12,6 +11,12 @@ tensor starts at a 2 MiB boundary inside it. Measured on the project's AVX-512 m
 pass over the 33.6M model's bfloat16 matmul weights (67 MB, one row) took 1.49-1.99 ms on
 huge pages against 1.76-2.21 ms on 4 KiB pages, 1.01-1.27x in 12 alternated pairs
 (docs/PERFORMANCE.md, section 12).
+
+Only memory written once, at load, is advised: the first write to a huge page may wait for
+the kernel to compact memory into a free 2 MiB page (``defrag`` ``madvise``, the default), so
+writing a fresh 268 MB mapping one element per 4 KiB took 20-381 ms on huge pages against
+71-81 ms on 4 KiB pages in the same minutes. The KV pool, committed block by block as
+requests first write it (inside steps), stays on 4 KiB pages (``huge=False``).
 
 Where the OS has no such pages (another OS, THP ``never``, none free) the mapping is plain
 anonymous memory: the same zero-filled, lazily committed pages as before. Tensors below
@@ -44,15 +49,17 @@ def advice_enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("PAGECTL_HUGE_PAGES", "1") != "0"
 
 
-def mapped_empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised (zero-filled, lazily committed) CPU tensor on a fresh anonymous
-    mapping, aligned to and advised for huge pages (module docstring). The tensor keeps the
-    mapping alive; it is unmapped when the last view of it goes."""
+def mapped_empty(
+    shape: tuple[int, ...] | list[int], dtype: torch.dtype, *, huge: bool = True
+) -> torch.Tensor:
+    """A zero-filled, lazily committed CPU tensor on a fresh private anonymous mapping,
+    aligned to and advised for huge pages unless ``huge`` is False (module docstring). The
+    tensor keeps the mapping alive; it is unmapped when the last view of it goes."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    if nbytes < HUGE_PAGE_BYTES:
+    if nbytes < HUGE_PAGE_BYTES or not huge:
         m = _mapping(nbytes)
         return torch.frombuffer(m, dtype=dtype, count=numel).view(shape)
     # One huge page more than needed, so that a 2 MiB boundary lies within its first one.

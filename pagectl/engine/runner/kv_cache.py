@@ -3,8 +3,7 @@
 Layout: one tensor ``[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]``
 allocated once at start, zero-filled: masked padding still flows through attention matmuls,
 so every slot must hold a finite value. On CPU the memory is an anonymous mapping, which the
-OS hands out zero-filled and commits page by page on first write (on 2 MiB pages where it
-gives them: ``huge_pages.py``): a large pool costs nothing until it is used. Index 0 of dim 1 holds keys, 1 values; per layer the
+OS hands out zero-filled and commits page by page on first write: a large pool costs nothing until it is used. Index 0 of dim 1 holds keys, 1 values; per layer the
 ``[num_blocks + 1, block_size, kv_heads, head_dim]`` halves are exactly flash-attn's paged
 layout. Block ids ``[0, num_blocks)`` are the scheduler's; block ``num_blocks`` is the scratch
 block: padding rows write there and padded block-table entries point there. No sequence ever
@@ -81,10 +80,10 @@ class KVCachePool:
         self.scratch_block = num_blocks
         shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
         if device.type == "cpu":
-            # A fresh anonymous mapping on huge pages where the OS gives them (huge_pages.py):
-            # zero-filled and committed on first write, so a large pool costs nothing until
-            # it is used.
-            self.tensor = huge_pages.mapped_empty(shape, dtype)
+            # A fresh private anonymous mapping: zero-filled and committed on first write,
+            # so a large pool costs nothing until it is used. Not on huge pages: a first
+            # write inside a step could wait for the kernel to compact one (huge_pages.py).
+            self.tensor = huge_pages.mapped_empty(shape, dtype, huge=False)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = kv_bytes_per_block(
