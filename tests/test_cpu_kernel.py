@@ -108,6 +108,34 @@ def test_thread_counts_give_identical_results(ops, num_seqs):
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize(
+    "block_size,heads,kv_heads,head_dim",
+    [(16, 8, 4, 64), (1, 4, 2, 64), (4, 6, 2, 128), (32, 3, 1, 64), (64, 8, 4, 32), (8, 4, 4, 16)],
+)
+def test_bfloat16_matches_float32_math_across_blocks_and_groups(
+    ops, block_size, heads, kv_heads, head_dim
+):
+    # bfloat16 caches take bfloat16 dot products for the scores on a CPU with AVX512-BF16
+    # (query heads in pairs, an odd group's last one alone): odd and even context lengths,
+    # blocks of 1 to 64 keys, groups of 1 to 3 query heads, head sizes 16 to 128.
+    seqs = [(c, 1) for c in lengths_around_blocks(block_size)]
+    num_blocks = sum(-(-(c + 1) // block_size) for c, _ in seqs) + 4
+    cache, _, _, q, k, v, meta = make_batch(
+        seqs, block_size, num_blocks, heads, kv_heads, head_dim, seed=block_size
+    )
+    flat = (-1, kv_heads, head_dim)
+    cache[0].view(*flat).index_copy_(0, meta.slot_mapping, k)
+    cache[1].view(*flat).index_copy_(0, meta.slot_mapping, v)
+    cache_h, q_h = cache.to(torch.bfloat16), q.to(torch.bfloat16)
+    scale = head_dim**-0.5
+    out = torch.full_like(q_h, float("nan"))
+    ops.paged_decode(q_h, cache_h, meta.block_tables, meta.seq_lens, scale, out)
+    want = torch.empty_like(q)
+    ops.paged_decode(q_h.float(), cache_h.float(), meta.block_tables, meta.seq_lens, scale, want)
+    # Same float32 math on the same rounded inputs; the output is rounded to bfloat16.
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_match_float32_math(ops, dtype):
     seqs = [(c, 1) for c in (5, 16, 33, 90)]
