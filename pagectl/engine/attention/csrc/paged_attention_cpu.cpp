@@ -153,42 +153,69 @@ inline vecw loadw(const c10::Half* p) {
   return loadw(tmp);
 }
 
+// One query head's operand for the vector path's scores: ``load`` takes head j (its
+// scaled float32 copy in Work::qv, or its row of q), ``dot`` returns a vector whose lanes
+// sum to q . k for one key row, and kScale says whether the scores still need the scale.
+
+// float32 arithmetic on the scaled query and the key widened to float32.
+template <typename scalar_t, int kChunks>
+struct FloatQuery {
+  static constexpr bool kScale = false;
+  vecw q[kChunks];
+  void load(const vecw* qv, const scalar_t* /*row*/) {
+    for (int c = 0; c < kChunks; ++c) q[c] = qv[c];
+  }
+  vecw dot(const scalar_t* k) const {
+    vecw kv[kChunks];
+    for (int c = 0; c < kChunks; ++c) kv[c] = loadw(k + c * kLanes);
+    return dot_chunks<kChunks>(q, kv);
+  }
+};
+
 #if defined(__AVX512BF16__)
-// Whether keys of scalar_t at head size kChunks * kLanes take bfloat16 dot products: a
-// bfloat16 cache (q in bfloat16 too) on a CPU with AVX512-BF16, the head a whole number of
-// 32-element registers. One vdpbf16ps multiplies 32 elements of q and a key row and adds
-// the products (exact in float32) to 16 float32 lanes, where widening both to float32 took
-// two loads, two shifts and two FMAs for the same 32 products.
+// A bfloat16 cache on a CPU with AVX512-BF16, the head a whole number of 32-element
+// registers: bfloat16 dot products (vdpbf16ps) of q and k as stored. One instruction
+// multiplies 32 elements and adds the products (exact in float32) to 16 float32 lanes,
+// where widening both took two loads, two shifts and two FMAs; denormals are flushed as
+// vdpbf16ps does. The scale is applied to each score instead of to q.
 template <typename scalar_t, int kChunks>
 constexpr bool kDotBf16 =
     std::is_same_v<scalar_t, c10::BFloat16> && kLanes == 16 && kChunks >= 2 && kChunks % 2 == 0;
 
-// q . k over a head of kPairs * 32 bfloat16 elements (q already in registers), as a vector
-// whose lanes sum to the dot product (float32 sums, denormals flushed as vdpbf16ps does).
-template <int kPairs>
-inline vecw dot_bf16(const __m512bh* q, const c10::BFloat16* k) {
-  __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(),
-                              reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)), q[0]);
-  __m512 b = _mm512_setzero_ps();
-  for (int c = 1; c < kPairs; ++c) {
-    const __m512bh kc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c));
-    if (c % 2) {
-      b = _mm512_dpbf16_ps(b, kc, q[c]);
-    } else {
-      a = _mm512_dpbf16_ps(a, kc, q[c]);
+template <int kChunks>
+struct Bf16Query {
+  static constexpr bool kScale = true;
+  static constexpr int kPairs = kChunks / 2;
+  __m512bh q[kPairs];
+  void load(const vecw* /*qv*/, const c10::BFloat16* row) {
+    for (int c = 0; c < kPairs; ++c) {
+      q[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + 32 * c));
     }
   }
-  return reinterpret_cast<vecw>(_mm512_add_ps(a, b));
-}
-
-inline void load_q_bf16(const c10::BFloat16* q, int kPairs, __m512bh* out) {
-  for (int c = 0; c < kPairs; ++c) {
-    out[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * c));
+  vecw dot(const c10::BFloat16* k) const {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();  // two chains
+    for (int c = 0; c < kPairs; ++c) {
+      const __m512bh kc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c));
+      if (c % 2) {
+        b = _mm512_dpbf16_ps(b, kc, q[c]);
+      } else {
+        a = _mm512_dpbf16_ps(a, kc, q[c]);
+      }
+    }
+    return reinterpret_cast<vecw>(_mm512_add_ps(a, b));
   }
-}
+};
+
+template <typename scalar_t, int kChunks>
+struct QueryFor {
+  using type = std::conditional_t<kDotBf16<scalar_t, kChunks>, Bf16Query<kChunks>,
+                                  FloatQuery<scalar_t, kChunks>>;
+};
 #else
 template <typename scalar_t, int kChunks>
-constexpr bool kDotBf16 = false;
+struct QueryFor {
+  using type = FloatQuery<scalar_t, kChunks>;
+};
 #endif
 
 // Prefetches go to L2 (prefetcht1, locality 2), not L1: a block's K or V rows reach L1 soon
@@ -360,11 +387,9 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
     // query heads (both kept in registers, so each key row is loaded once per pair): the
     // keys' dot products wait as vectors and fold_all turns them into kLanes scores. The
     // next block's key rows are prefetched as the keys go. Scalar path: key by key.
-    if constexpr (kDotBf16<scalar_t, kChunks>) {
-#if defined(__AVX512BF16__)
-      // The same scores from bfloat16 dot products on q and k as stored; the scale is
-      // applied to each score instead of to q.
-      constexpr int kPairs = kChunks / 2;
+    if constexpr (kVector) {
+      using Query = typename QueryFor<scalar_t, kChunks>::type;
+      const auto q_row = [&](int64_t j) { return q + (h0 * G + j) * s.q_head_stride; };
       for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
         const int64_t nt = std::min<int64_t>(kLanes, n - t0);
         for (int64_t t = t0; t < t0 + nt && t < n_next; ++t) {
@@ -377,77 +402,33 @@ void attend_seq(const DecodeShape& s, const scalar_t* q, const scalar_t* k_cache
           int64_t g = 0;
           for (; g + 2 <= G; g += 2) {
             const int64_t j = h * G + g;
-            __m512bh qa[kPairs], qb[kPairs];
-            load_q_bf16(q + (h0 * G + j) * s.q_head_stride, kPairs, qa);
-            load_q_bf16(q + (h0 * G + j + 1) * s.q_head_stride, kPairs, qb);
+            Query qa, qb;
+            qa.load(&w.qv[j * kChunks], q_row(j));
+            qb.load(&w.qv[(j + 1) * kChunks], q_row(j + 1));
             vecw da[kLanes], db[kLanes];
             for (int64_t t = 0; t < nt; ++t) {
-              da[t] = dot_bf16<kPairs>(qa, kh + t * token_stride);
-              db[t] = dot_bf16<kPairs>(qb, kh + t * token_stride);
+              da[t] = qa.dot(kh + t * token_stride);
+              db[t] = qb.dot(kh + t * token_stride);
             }
             for (int64_t t = nt; t < kLanes; ++t) da[t] = db[t] = vecw{};
             fold_all<kLanes>(da);
             fold_all<kLanes>(db);
-            da[0] *= s.scale;
-            db[0] *= s.scale;
+            if constexpr (Query::kScale) {
+              da[0] *= s.scale;
+              db[0] *= s.scale;
+            }
             std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
             std::memcpy(scores + (j + 1) * ss + t0, db, sizeof(vecw));
           }
           for (; g < G; ++g) {
             const int64_t j = h * G + g;
-            __m512bh qa[kPairs];
-            load_q_bf16(q + (h0 * G + j) * s.q_head_stride, kPairs, qa);
+            Query qa;
+            qa.load(&w.qv[j * kChunks], q_row(j));
             vecw da[kLanes];
-            for (int64_t t = 0; t < nt; ++t) da[t] = dot_bf16<kPairs>(qa, kh + t * token_stride);
+            for (int64_t t = 0; t < nt; ++t) da[t] = qa.dot(kh + t * token_stride);
             for (int64_t t = nt; t < kLanes; ++t) da[t] = vecw{};
             fold_all<kLanes>(da);
-            da[0] *= s.scale;
-            std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
-          }
-        }
-      }
-#endif
-    } else if constexpr (kVector) {
-      for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
-        const int64_t nt = std::min<int64_t>(kLanes, n - t0);
-        for (int64_t t = t0; t < t0 + nt && t < n_next; ++t) {
-          for (int64_t h = 0; h < h1 - h0; ++h) {
-            prefetch_lines(kn + t * token_stride + h * D, head_bytes);
-          }
-        }
-        for (int64_t h = 0; h < h1 - h0; ++h) {
-          const scalar_t* kh = kb + t0 * token_stride + h * D;
-          int64_t g = 0;
-          for (; g + 2 <= G; g += 2) {
-            const int64_t j = h * G + g;
-            vecw qa[kChunks], qb[kChunks], da[kLanes], db[kLanes];
-            for (int c = 0; c < kChunks; ++c) {
-              qa[c] = w.qv[j * kChunks + c];
-              qb[c] = w.qv[(j + 1) * kChunks + c];
-            }
-            for (int64_t t = 0; t < nt; ++t) {
-              vecw k[kChunks];
-              for (int c = 0; c < kChunks; ++c) k[c] = loadw(kh + t * token_stride + c * kLanes);
-              da[t] = dot_chunks<kChunks>(qa, k);
-              db[t] = dot_chunks<kChunks>(qb, k);
-            }
-            for (int64_t t = nt; t < kLanes; ++t) da[t] = db[t] = vecw{};
-            fold_all<kLanes>(da);
-            fold_all<kLanes>(db);
-            std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
-            std::memcpy(scores + (j + 1) * ss + t0, db, sizeof(vecw));
-          }
-          for (; g < G; ++g) {
-            const int64_t j = h * G + g;
-            vecw qa[kChunks], da[kLanes];
-            for (int c = 0; c < kChunks; ++c) qa[c] = w.qv[j * kChunks + c];
-            for (int64_t t = 0; t < nt; ++t) {
-              vecw k[kChunks];
-              for (int c = 0; c < kChunks; ++c) k[c] = loadw(kh + t * token_stride + c * kLanes);
-              da[t] = dot_chunks<kChunks>(qa, k);
-            }
-            for (int64_t t = nt; t < kLanes; ++t) da[t] = vecw{};
-            fold_all<kLanes>(da);
+            if constexpr (Query::kScale) da[0] *= s.scale;
             std::memcpy(scores + j * ss + t0, da, sizeof(vecw));
           }
         }
