@@ -98,7 +98,11 @@ def test_slim_keeps_what_rules_read():
 
 
 async def test_a_small_pool_under_load_makes_the_console_name_max_num_seqs(tmp_path):
-    engine = LoopThread(tmp_path, num_kv_blocks=96).start()
+    # Steps of 2 ms: each request runs for a quarter of a second, so the 20 kept in flight
+    # overlap and contend for the pool however fast or slow this test's own loop tops them up
+    # (with instant steps, a starved test loop could let the engine finish every request
+    # between two top-ups: no preemption, an idle pool held as cache).
+    engine = LoopThread(tmp_path, step_delay_s=0.002, num_kv_blocks=96).start()
     try:
         app = PagectlTop(ZmqSource(engine.endpoints))
         async with app.run_test(size=(160, 48)) as pilot:
