@@ -41,7 +41,7 @@ class Int8Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         # int8 [N, K]; or, where the project's packed kernel runs (an AVX-512 CPU, N a
         # multiple of 64), int8 [N / 64, K, 64] in its layout (``pack_weight``).
-        self.q = huge_pages.rehome(q.contiguous())
+        self.q = q.contiguous()
         self.scale = scale.to(KERNEL_DTYPE).contiguous()  # [N]
         self.out_features, self.in_features = q.shape
         # The project kernel (None: torch's), and the same scales in float32 for it.
@@ -54,8 +54,10 @@ class Int8Weight:
             and q.shape[0] % 64 == 0
             and bool(ops.packed_linear_available(torch.int8))
         )
-        if ops is not None and self.is_packed:
-            self.q = huge_pages.rehome(ops.pack_weight(self.q))
+        # The weight a step streams, on huge pages (one copy: the packed one where it packs).
+        self.q = huge_pages.rehome(
+            ops.pack_weight(self.q) if ops is not None and self.is_packed else self.q
+        )
 
     @classmethod
     def quantize(cls, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
