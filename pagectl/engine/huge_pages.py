@@ -2,8 +2,8 @@
 
 A single-stream decode step reads every weight once, hundreds of megabytes in a few
 milliseconds. On 4 KiB pages that read crosses a page every 4 KiB: a TLB miss, and a
-boundary the hardware prefetcher does not cross, so every page's stream starts cold. Transparent huge pages
-(2 MiB) take both away. Linux backs an anonymous mapping with them when asked
+boundary the hardware prefetcher does not cross, so every page's stream starts cold.
+Transparent huge pages (2 MiB) take both away. Linux backs an anonymous mapping with them when asked
 (``madvise(MADV_HUGEPAGE)``; the default ``enabled`` setting, ``madvise``, gives them to
 nobody else) and only where a 2 MiB range is aligned and untouched at the first write, so
 the memory here is a fresh anonymous mapping, advised before anything writes it, and the
@@ -19,8 +19,8 @@ writing a fresh 268 MB mapping one element per 4 KiB took 20-381 ms on huge page
 requests first write it (inside steps), stays on 4 KiB pages (``huge=False``).
 
 Where the OS has no such pages (another OS, THP ``never``, none free) the mapping is plain
-anonymous memory: the same zero-filled, lazily committed pages as before. Tensors below
-one huge page, and any tensor off the CPU, are ordinary ``torch.empty`` ones.
+anonymous memory: the same zero-filled, lazily committed pages as before. ``empty`` gives
+tensors below one huge page, and any tensor off the CPU, as ordinary ``torch.empty`` ones.
 ``PAGECTL_HUGE_PAGES=0`` turns the advice off (plain mappings).
 """
 
@@ -34,14 +34,16 @@ import os
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-# Private: Python's default for an anonymous mapping is MAP_SHARED, which Linux serves from
-# shmem (no huge pages under the default ``shmem_enabled`` of ``never``, and pages a forked
-# child would share).
-_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 def _mapping(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, nbytes, flags=_FLAGS)
+    """A fresh anonymous mapping, private where the OS has the flag (Windows has none).
+    Python's default for an anonymous mapping is MAP_SHARED, which Linux serves from shmem
+    (no huge pages under the default ``shmem_enabled`` of ``never``, and pages a forked child
+    would share)."""
+    if hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
 
 def advice_enabled() -> bool:
@@ -72,9 +74,11 @@ def mapped_empty(
     return torch.frombuffer(m, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
-def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the default device, on huge pages where that
-    device is the CPU and the tensor spans at least one (``mapped_empty``)."""
+def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the default device (``dtype`` None: the default
+    dtype), on huge pages where that device is the CPU and the tensor spans at least one
+    (``mapped_empty``)."""
+    dtype = dtype or torch.get_default_dtype()
     if torch.get_default_device().type != "cpu":
         return torch.empty(shape, dtype=dtype)
     if math.prod(shape) * dtype.itemsize < HUGE_PAGE_BYTES:
@@ -89,7 +93,6 @@ def rehome(t: torch.Tensor) -> torch.Tensor:
     if (
         t.device.type != "cpu"
         or t.layout != torch.strided
-        or t.is_mkldnn
         or t.numel() * t.element_size() < HUGE_PAGE_BYTES
     ):
         return t

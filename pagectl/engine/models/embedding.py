@@ -35,9 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(
-            huge_pages.empty(
-                (self.rows_per_rank, embedding_dim), params_dtype or torch.get_default_dtype()
-            ),
+            huge_pages.empty((self.rows_per_rank, embedding_dim), params_dtype),
             requires_grad=False,
         )
         set_weight_loader(self.weight, self.weight_loader)

@@ -79,9 +79,7 @@ _INT4_PARAMS = ("weight_int4", "weight_int4_scale", "weight_int4_zero")
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    return nn.Parameter(
-        huge_pages.empty(shape, dtype or torch.get_default_dtype()), requires_grad=False
-    )
+    return nn.Parameter(huge_pages.empty(shape, dtype), requires_grad=False)
 
 
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -177,10 +177,11 @@ struct FloatQuery {
 // registers: bfloat16 dot products (vdpbf16ps) of q and k as stored. One instruction
 // multiplies 32 elements and adds the products (exact in float32) to 16 float32 lanes,
 // where widening both took two loads, two shifts and two FMAs; denormals are flushed as
-// vdpbf16ps does. The scale is applied to each score instead of to q.
+// vdpbf16ps does. The scale is applied to each score instead of to q. (AVX512-BF16 implies
+// AVX-512: kLanes is 16, half a register of bfloat16.)
 template <typename scalar_t, int kChunks>
 constexpr bool kDotBf16 =
-    std::is_same_v<scalar_t, c10::BFloat16> && kLanes == 16 && kChunks >= 2 && kChunks % 2 == 0;
+    std::is_same_v<scalar_t, c10::BFloat16> && kChunks >= 2 && kChunks % 2 == 0;
 
 template <int kChunks>
 struct Bf16Query {
